@@ -1,0 +1,173 @@
+/* internal.h — the allocator's private data structures, shared by the files in csrc/alloc.
+ *
+ * Vocabulary (PyTorch's): a *segment* is one backend allocation (cudaMalloc, mmap, or a
+ * simulated range); it is tiled by *blocks*. A block is in exactly one state:
+ *   allocated  — handed to a caller and not yet freed;
+ *   awaiting   — freed by the caller, but other streams may still use it (event_count > 0);
+ *   free       — in the pool's free index, ready for reuse on the segment's stream.
+ * Requests <= 1 MiB use the small pool (2 MiB segments), larger ones the large pool. */
+#ifndef VRAM_ALLOC_INTERNAL_H
+#define VRAM_ALLOC_INTERNAL_H
+
+#include "vramkit.h"
+#include "../util/lock.h"
+#include "../util/ptrmap.h"
+
+#define VRAM_MIN_BLOCK ((uint64_t)512)              /* kMinBlockSize */
+#define VRAM_SMALL_SIZE ((uint64_t)1 << 20)         /* kSmallSize: largest small request */
+#define VRAM_SMALL_BUFFER ((uint64_t)2 << 20)       /* kSmallBuffer: small segment size */
+#define VRAM_LARGE_BUFFER ((uint64_t)20 << 20)      /* kLargeBuffer: segment for 1–10 MiB */
+#define VRAM_MIN_LARGE_ALLOC ((uint64_t)10 << 20)   /* kMinLargeAlloc */
+#define VRAM_ROUND_LARGE ((uint64_t)2 << 20)        /* kRoundLarge */
+#define VRAM_UNLIMITED UINT64_MAX
+
+typedef struct vram__segment vram__segment_t;
+typedef struct vram__block vram__block_t;
+
+struct vram__block {
+    uintptr_t addr;
+    uint64_t size;
+    uint64_t requested;          /* the caller's size, while allocated or awaiting */
+    vram_stream_t stream;        /* the segment's stream, copied here for the index key */
+    vram__block_t *prev, *next;  /* physical neighbours within the segment */
+    vram__segment_t *segment;
+    vram__block_t *left, *right; /* free-index links, meaningful while in_index */
+    uint32_t priority;           /* treap heap priority */
+    uint8_t allocated;
+    uint8_t in_index;
+    uint8_t oversize;            /* counted in oversize_allocations while allocated */
+    int32_t event_count;         /* > 0 while awaiting other streams */
+    vram_stream_t *stream_uses;  /* streams added by record_stream (malloc'd, rare) */
+    uint32_t num_stream_uses, cap_stream_uses;
+    uint64_t gc_count_base;      /* free-index lookups counted when the block became free */
+    uint64_t context;            /* caller's context id of the allocation */
+};
+
+struct vram__segment {
+    uintptr_t addr;
+    uint64_t size;
+    vram_stream_t stream;
+    uint8_t is_small;
+    uint8_t oversize;            /* counted in oversize_segments */
+    vram__block_t *head;         /* the lowest-addressed block */
+    vram__segment_t *prev, *next;
+};
+
+/* The free blocks of one pool kind, ordered by (stream, size, address) as PyTorch's
+ * std::set is, so lower_bound gives the best fit on the right stream. */
+typedef struct vram__free_index {
+    vram__block_t *root;
+    uint64_t count;
+    uint64_t lookups; /* get_free_block calls: the clock behind garbage-collection ages */
+    uint32_t rng;     /* xorshift state for treap priorities */
+    uint8_t is_small;
+} vram__free_index_t;
+
+typedef struct vram__pending {
+    void *event;
+    vram__block_t *block;
+} vram__pending_t;
+
+/* Events recorded on one stream, oldest first: polling stops at the first unfinished event of
+ * each stream, so a slow stream never holds back another's blocks (pytorch#71616). */
+typedef struct vram__stream_queue {
+    vram_stream_t stream;
+    vram__pending_t *items; /* ring buffer */
+    uint64_t head, count, capacity;
+} vram__stream_queue_t;
+
+typedef struct vram__history {
+    vram_trace_entry_t *entries; /* ring of `capacity` */
+    uint64_t capacity;
+    uint64_t written;            /* total ever written; the oldest kept is written - count */
+} vram__history_t;
+
+struct vram_pool {
+    vram__mutex_t lock;
+    const vram_backend_t *backend;
+    void *ctx;
+    vram_device_t device;
+    uint64_t total_capacity;     /* backend total at creation, the base of memory_fraction */
+    vram_settings_t settings;
+
+    vram__free_index_t small, large;
+    vram__segment_t *segments;   /* every segment, newest first */
+    vram__ptrmap_t live;         /* address -> allocated block */
+    vram_stats_t stats;
+
+    vram__stream_queue_t *queues;
+    uint64_t num_queues, cap_queues, num_pending;
+
+    vram__history_t history;
+    int history_on;              /* read without the lock by vram_history_enabled */
+
+    vram__block_t *spare_blocks; /* recycled block structs, linked through ->next */
+    uint64_t num_spare;
+    void **block_chunks;         /* slabs to free at destroy */
+    uint64_t num_chunks, cap_chunks;
+};
+
+/* blocks.c: block structs come from per-pool slabs, so malloc stays off the hot path. */
+vram_status_t vram__reserve_blocks(vram_pool_t *pool, uint64_t needed);
+vram__block_t *vram__block_new(vram_pool_t *pool); /* only after a successful reserve */
+void vram__block_delete(vram_pool_t *pool, vram__block_t *block);
+void vram__free_all_blocks(vram_pool_t *pool);
+
+/* index.c */
+void vram__index_insert(vram__free_index_t *index, vram__block_t *block);
+void vram__index_remove(vram__free_index_t *index, vram__block_t *block);
+/* Smallest block whose (stream, size, addr) key is >= (stream, size, 0); any stream. */
+vram__block_t *vram__index_lower_bound(const vram__free_index_t *index, vram_stream_t stream, uint64_t size);
+/* Largest block whose key is < (stream, size, addr). */
+vram__block_t *vram__index_before(const vram__free_index_t *index, vram_stream_t stream, uint64_t size,
+                                  uintptr_t addr);
+/* Verify order and heap shape; returns the node count through *count, or a status. */
+vram_status_t vram__index_check(const vram__free_index_t *index, uint64_t *count);
+
+/* stats.c */
+void vram__stat_increase(vram_stat_t *stat, int64_t amount);
+void vram__stat_decrease(vram_stat_t *stat, int64_t amount);
+/* Apply to the aggregate entry and to the block's pool entry. */
+void vram__stat_array_increase(vram_stat_t *array, int is_small, int64_t amount);
+void vram__stat_array_decrease(vram_stat_t *array, int is_small, int64_t amount);
+void vram__stat_array_change(vram_stat_t *array, int is_small, int64_t delta);
+
+/* config.c */
+void vram__settings_default(vram_settings_t *settings);
+vram_status_t vram__settings_parse(const char *conf, const char *origin, vram_settings_t *settings);
+void vram__settings_update_allowed(vram_settings_t *settings, uint64_t total_capacity);
+uint64_t vram__round_size(const vram_settings_t *settings, uint64_t size);
+uint64_t vram__segment_size(uint64_t rounded);
+
+/* history.c (call with the pool lock held) */
+void vram__trace(vram_pool_t *pool, vram_trace_action_t action, uint64_t addr, uint64_t size,
+                 vram_stream_t stream, uint64_t context, uint64_t device_free);
+
+/* events.c (pool lock held) */
+vram_status_t vram__insert_events(vram_pool_t *pool, vram__block_t *block);
+void vram__process_events(vram_pool_t *pool);
+void vram__synchronize_and_free_events(vram_pool_t *pool);
+void vram__free_queues(vram_pool_t *pool);
+
+/* pool.c (pool lock held) */
+void vram__free_block(vram_pool_t *pool, vram__block_t *block, uint64_t context);
+static inline vram__free_index_t *vram__index_for(vram_pool_t *pool, int is_small) {
+    return is_small ? &pool->small : &pool->large;
+}
+static inline int vram__is_split(const vram__block_t *block) { return block->prev || block->next; }
+static inline int vram__is_whole_free(const vram__block_t *block) {
+    return block->in_index && !block->prev && !block->next;
+}
+
+/* release.c (pool lock held) */
+void vram__release_block(vram_pool_t *pool, vram__block_t *block, uint64_t context);
+void vram__release_cached_blocks(vram_pool_t *pool, uint64_t context);
+int vram__release_available_cached_blocks(vram_pool_t *pool, vram__free_index_t *index, vram_stream_t stream,
+                                          uint64_t rounded, uint64_t context);
+void vram__garbage_collect(vram_pool_t *pool, uint64_t context);
+
+/* oom.c (pool lock held) */
+vram_status_t vram__report_oom(vram_pool_t *pool, uint64_t requested, uint64_t segment_size,
+                               vram_stream_t stream, uint64_t context);
+
+#endif

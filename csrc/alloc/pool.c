@@ -1,0 +1,313 @@
+/* pool.c — the caching allocator's malloc and free, following PyTorch's policy:
+ * best fit within the request's stream, split what is left over, merge with free
+ * neighbours on free, and draw a new segment only when the cache has nothing that fits. */
+#include "internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "../util/error.h"
+
+vram_status_t vram_pool_create(const vram_backend_t *backend, void *backend_ctx, vram_device_t device,
+                               const char *conf, vram_pool_t **out) {
+    *out = NULL;
+    vram_settings_t settings;
+    vram__settings_default(&settings);
+    vram_status_t status = vram__settings_parse(conf, "VRAMKIT_ALLOC_CONF", &settings);
+    if (status != VRAM_OK) goto fail;
+    uint64_t free_bytes = 0, total = 0;
+    status = backend->mem_info(backend_ctx, &free_bytes, &total);
+    if (status != VRAM_OK) goto fail;
+
+    vram_pool_t *pool = calloc(1, sizeof *pool);
+    if (!pool) {
+        status = vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory creating a pool");
+        goto fail;
+    }
+    if (vram__mutex_init(&pool->lock) != 0) {
+        free(pool);
+        status = vram__fail(VRAM_ERR_HOST_MEMORY, "could not create the pool's mutex");
+        goto fail;
+    }
+    pool->backend = backend;
+    pool->ctx = backend_ctx;
+    pool->device = device;
+    pool->total_capacity = total;
+    pool->settings = settings;
+    vram__settings_update_allowed(&pool->settings, total);
+    pool->small.is_small = 1;
+    pool->small.rng = 0x2545F491u;
+    pool->large.rng = 0x9E3779B9u;
+    vram__ptrmap_init(&pool->live);
+    pool->stats.size = sizeof pool->stats;
+    pool->stats.version = VRAM_STATS_VERSION;
+    pool->stats.max_split_size = -1;
+    if (settings.max_split_size != VRAM_UNLIMITED) pool->stats.max_split_size = (int64_t)settings.max_split_size;
+    *out = pool;
+    return VRAM_OK;
+fail:
+    if (backend->destroy) backend->destroy(backend_ctx);
+    return status;
+}
+
+void vram_pool_destroy(vram_pool_t *pool) {
+    if (!pool) return;
+    /* Return every segment to the backend; outstanding pointers become invalid. */
+    vram__synchronize_and_free_events(pool);
+    for (vram__segment_t *seg = pool->segments, *next; seg; seg = next) {
+        next = seg->next;
+        pool->backend->segment_free(pool->ctx, seg->addr, seg->size);
+        free(seg);
+    }
+    vram__free_queues(pool);
+    vram__free_all_blocks(pool);
+    vram__ptrmap_destroy(&pool->live);
+    free(pool->history.entries);
+    if (pool->backend->destroy) pool->backend->destroy(pool->ctx);
+    vram__mutex_destroy(&pool->lock);
+    free(pool);
+}
+
+vram_device_t vram_pool_device(const vram_pool_t *pool) { return pool->device; }
+
+/* PyTorch's get_free_block: best fit on the stream, with the oversize rules. Removes the
+ * block from the index and returns it, or NULL. */
+static vram__block_t *get_free_block(vram_pool_t *pool, vram__free_index_t *index, vram_stream_t stream,
+                                     uint64_t rounded) {
+    index->lookups++;
+    vram__block_t *block = vram__index_lower_bound(index, stream, rounded);
+    if (!block || block->stream != stream) return NULL;
+    uint64_t max_split = pool->settings.max_split_size;
+    /* Never hand an oversize block to a small request: it could not be split back. */
+    if (rounded < max_split && block->size >= max_split) return NULL;
+    /* An oversize request may take a larger block only within the rounding tolerance. */
+    if (rounded >= max_split && block->size >= rounded + pool->settings.max_non_split_rounding) return NULL;
+    vram__index_remove(index, block);
+    return block;
+}
+
+/* Draw a new segment from the backend, as one free block not yet in the index. */
+static vram_status_t alloc_segment(vram_pool_t *pool, int is_small, vram_stream_t stream, uint64_t size,
+                                   uint64_t context, int is_retry, vram__block_t **out) {
+    if (is_retry) pool->stats.num_alloc_retries++;
+    uint64_t reserved = (uint64_t)pool->stats.reserved_bytes[VRAM_STAT_ALL].current;
+    if (size > pool->settings.allowed_bytes || reserved > pool->settings.allowed_bytes - size)
+        return VRAM_ERR_OOM; /* over the fraction or limit: the caller reports it */
+    vram__segment_t *seg = malloc(sizeof *seg);
+    if (!seg) return vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory for allocator bookkeeping");
+    uintptr_t addr = 0;
+    vram_status_t status = pool->backend->segment_alloc(pool->ctx, size, stream, &addr);
+    if (status != VRAM_OK) {
+        free(seg);
+        return status;
+    }
+    vram__block_t *block = vram__block_new(pool);
+    block->addr = addr;
+    block->size = size;
+    block->stream = stream;
+    block->segment = seg;
+    seg->addr = addr;
+    seg->size = size;
+    seg->stream = stream;
+    seg->is_small = (uint8_t)is_small;
+    seg->oversize = size >= pool->settings.max_split_size;
+    seg->head = block;
+    seg->prev = NULL;
+    seg->next = pool->segments;
+    if (pool->segments) pool->segments->prev = seg;
+    pool->segments = seg;
+
+    vram__stat_array_increase(pool->stats.segment, is_small, 1);
+    vram__stat_array_increase(pool->stats.reserved_bytes, is_small, (int64_t)size);
+    if (seg->oversize) vram__stat_increase(&pool->stats.oversize_segments, 1);
+    pool->stats.num_device_alloc++;
+    vram__trace(pool, VRAM_TRACE_SEGMENT_ALLOC, addr, size, stream, context, 0);
+    *out = block;
+    return VRAM_OK;
+}
+
+/* The slow path, PyTorch's order: garbage-collect old cached blocks if over the threshold,
+ * ask the backend, free oversize cached blocks and ask again, then release every cached
+ * segment and ask a last time. Unlike PyTorch we look in the cache again after releasing:
+ * synchronizing events may have returned a block that fits (pytorch#189504). */
+static vram_status_t obtain_block(vram_pool_t *pool, vram__free_index_t *index, vram_stream_t stream,
+                                  uint64_t requested, uint64_t rounded, uint64_t context, vram__block_t **out) {
+    uint64_t seg_size = vram__segment_size(rounded);
+    int is_small = index->is_small;
+    if (pool->settings.garbage_collection_threshold > 0.0) vram__garbage_collect(pool, context);
+    vram_status_t status = alloc_segment(pool, is_small, stream, seg_size, context, 0, out);
+    if (status == VRAM_ERR_OOM && vram__release_available_cached_blocks(pool, index, stream, rounded, context))
+        status = alloc_segment(pool, is_small, stream, seg_size, context, 0, out);
+    if (status == VRAM_ERR_OOM) {
+        vram__release_cached_blocks(pool, context);
+        *out = get_free_block(pool, index, stream, rounded);
+        status = *out ? VRAM_OK : alloc_segment(pool, is_small, stream, seg_size, context, 1, out);
+    }
+    if (status == VRAM_ERR_OOM) return vram__report_oom(pool, requested, seg_size, stream, context);
+    return status;
+}
+
+/* PyTorch's should_split: small-pool remainders of 512 B are worth keeping; large-pool ones
+ * only above 1 MiB, and oversize blocks are never split. */
+static int should_split(const vram_pool_t *pool, const vram__block_t *block, uint64_t size) {
+    uint64_t remaining = block->size - size;
+    if (block->segment->is_small) return remaining >= VRAM_MIN_BLOCK;
+    return size < pool->settings.max_split_size && remaining > VRAM_SMALL_SIZE;
+}
+
+/* Hand out `block` (already out of the index), splitting off the unused tail. */
+static vram__block_t *take_block(vram_pool_t *pool, vram__block_t *block, uint64_t rounded, uint64_t requested,
+                                 uint64_t context) {
+    int is_small = block->segment->is_small;
+    int64_t split_count = 0, split_bytes = 0; /* net change of inactive_split */
+    if (vram__is_split(block)) {
+        split_count--;
+        split_bytes -= (int64_t)block->size;
+    }
+    if (should_split(pool, block, rounded)) {
+        vram__block_t *rest = vram__block_new(pool);
+        rest->addr = block->addr + rounded;
+        rest->size = block->size - rounded;
+        rest->stream = block->stream;
+        rest->segment = block->segment;
+        rest->prev = block;
+        rest->next = block->next;
+        if (rest->next) rest->next->prev = rest;
+        block->next = rest;
+        block->size = rounded;
+        vram__index_insert(vram__index_for(pool, is_small), rest);
+        split_count++;
+        split_bytes += (int64_t)rest->size;
+    }
+    vram__stat_array_change(pool->stats.inactive_split, is_small, split_count);
+    vram__stat_array_change(pool->stats.inactive_split_bytes, is_small, split_bytes);
+
+    block->allocated = 1;
+    block->requested = requested;
+    block->context = context;
+    block->oversize = block->size >= pool->settings.max_split_size;
+    vram__stat_array_increase(pool->stats.allocation, is_small, 1);
+    vram__stat_array_increase(pool->stats.allocated_bytes, is_small, (int64_t)block->size);
+    vram__stat_array_increase(pool->stats.active, is_small, 1);
+    vram__stat_array_increase(pool->stats.active_bytes, is_small, (int64_t)block->size);
+    vram__stat_array_increase(pool->stats.requested_bytes, is_small, (int64_t)requested);
+    if (block->oversize) vram__stat_increase(&pool->stats.oversize_allocations, 1);
+    vram__ptrmap_insert(&pool->live, block->addr, block); /* capacity reserved by the caller */
+    vram__trace(pool, VRAM_TRACE_ALLOC, block->addr, block->size, block->stream, context, 0);
+    return block;
+}
+
+vram_status_t vram_malloc(vram_pool_t *pool, uint64_t size, vram_stream_t stream, uint64_t context, void **out) {
+    *out = NULL;
+    if (size == 0) return VRAM_OK; /* as torch's raw_alloc(0): no block, no counters */
+    if (size >= VRAM_MAX_REQUEST)
+        return vram__fail(VRAM_ERR_INVALID_ARG, "allocation size %llu is absurd: sizes must be below 2**62 bytes",
+                          (unsigned long long)size);
+    vram__lock(&pool->lock);
+    /* Reserve bookkeeping first, so a host-memory failure happens before any change. */
+    vram_status_t status = vram__reserve_blocks(pool, 2);
+    if (status == VRAM_OK && vram__ptrmap_reserve(&pool->live, pool->live.count + 1) != 0)
+        status = vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory for allocator bookkeeping");
+    if (status != VRAM_OK) goto done;
+    if (pool->num_pending) vram__process_events(pool);
+
+    uint64_t rounded = vram__round_size(&pool->settings, size);
+    vram__free_index_t *index = vram__index_for(pool, rounded <= VRAM_SMALL_SIZE);
+    vram__block_t *block = get_free_block(pool, index, stream, rounded);
+    if (!block) status = obtain_block(pool, index, stream, size, rounded, context, &block);
+    if (status == VRAM_OK) *out = (void *)take_block(pool, block, rounded, size, context)->addr;
+done:
+    vram__unlock(&pool->lock);
+    return status;
+}
+
+/* PyTorch's free_block: merge with free neighbours and put the result in the index. */
+void vram__free_block(vram_pool_t *pool, vram__block_t *block, uint64_t context) {
+    int is_small = block->segment->is_small;
+    vram__free_index_t *index = vram__index_for(pool, is_small);
+    uint64_t original_size = block->size;
+    vram__trace(pool, VRAM_TRACE_FREE_COMPLETED, block->addr, block->size, block->stream, context, 0);
+    int64_t split_count = 0, split_bytes = 0;
+    vram__block_t *prev = block->prev, *next = block->next;
+    if (prev && prev->in_index) { /* [prev block] -> [block] */
+        vram__index_remove(index, prev);
+        split_count--;
+        split_bytes -= (int64_t)prev->size;
+        block->addr = prev->addr;
+        block->size += prev->size;
+        block->prev = prev->prev;
+        if (block->prev) block->prev->next = block;
+        else block->segment->head = block;
+        vram__block_delete(pool, prev);
+    }
+    if (next && next->in_index) { /* [block next] -> [block] */
+        vram__index_remove(index, next);
+        split_count--;
+        split_bytes -= (int64_t)next->size;
+        block->size += next->size;
+        block->next = next->next;
+        if (block->next) block->next->prev = block;
+        vram__block_delete(pool, next);
+    }
+    block->num_stream_uses = 0;
+    vram__index_insert(index, block);
+    if (vram__is_split(block)) {
+        split_count++;
+        split_bytes += (int64_t)block->size;
+    }
+    vram__stat_array_change(pool->stats.inactive_split, is_small, split_count);
+    vram__stat_array_change(pool->stats.inactive_split_bytes, is_small, split_bytes);
+    vram__stat_array_decrease(pool->stats.active, is_small, 1);
+    vram__stat_array_decrease(pool->stats.active_bytes, is_small, (int64_t)original_size);
+    vram__stat_array_decrease(pool->stats.requested_bytes, is_small, (int64_t)block->requested);
+    block->requested = 0;
+    block->context = 0;
+}
+
+static vram_status_t unknown_pointer(const vram_pool_t *pool, const void *ptr) {
+    char name[32];
+    vram_device_format(pool->device, name, sizeof name);
+    return vram__fail(VRAM_ERR_INVALID_ARG,
+                      "pointer %p is not a live allocation of vramkit on %s: it was never returned by "
+                      "vramkit, does not start an allocation, or was already freed", ptr, name);
+}
+
+vram_status_t vram_free(vram_pool_t *pool, void *ptr, uint64_t context) {
+    if (!ptr) return VRAM_OK;
+    vram__lock(&pool->lock);
+    vram__block_t *block = vram__ptrmap_remove(&pool->live, (uintptr_t)ptr);
+    if (!block) {
+        vram__unlock(&pool->lock);
+        return unknown_pointer(pool, ptr);
+    }
+    int is_small = block->segment->is_small;
+    block->allocated = 0;
+    vram__stat_array_decrease(pool->stats.allocation, is_small, 1);
+    vram__stat_array_decrease(pool->stats.allocated_bytes, is_small, (int64_t)block->size);
+    if (block->oversize) vram__stat_decrease(&pool->stats.oversize_allocations, 1);
+    block->oversize = 0;
+    vram__trace(pool, VRAM_TRACE_FREE_REQUESTED, block->addr, block->size, block->stream, context, 0);
+    vram_status_t status = VRAM_OK;
+    if (block->num_stream_uses) status = vram__insert_events(pool, block);
+    else vram__free_block(pool, block, context);
+    vram__unlock(&pool->lock);
+    return status;
+}
+
+vram_status_t vram_block_query(vram_pool_t *pool, const void *ptr, vram_block_info_t *out) {
+    vram__lock(&pool->lock);
+    const vram__block_t *block = vram__ptrmap_get(&pool->live, (uintptr_t)ptr);
+    if (!block) {
+        vram__unlock(&pool->lock);
+        return unknown_pointer(pool, ptr);
+    }
+    out->address = block->addr;
+    out->size = block->size;
+    out->requested_size = block->requested;
+    out->stream = block->stream;
+    out->segment_address = block->segment->addr;
+    out->segment_size = block->segment->size;
+    out->is_small_pool = block->segment->is_small;
+    vram__unlock(&pool->lock);
+    return VRAM_OK;
+}

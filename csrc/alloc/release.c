@@ -1,0 +1,105 @@
+/* release.c — giving cached segments back to the backend: empty_cache, the OOM retry
+ * paths, and the garbage collector behind garbage_collection_threshold. Only segments that
+ * are wholly free can go back: one live block pins its whole segment. */
+#include "internal.h"
+
+#include <stdlib.h>
+
+#include "../util/error.h"
+
+void vram__release_block(vram_pool_t *pool, vram__block_t *block, uint64_t context) {
+    vram__segment_t *seg = block->segment;
+    int is_small = seg->is_small;
+    vram__index_remove(vram__index_for(pool, is_small), block);
+    pool->backend->segment_free(pool->ctx, seg->addr, seg->size);
+    vram__stat_array_decrease(pool->stats.segment, is_small, 1);
+    vram__stat_array_decrease(pool->stats.reserved_bytes, is_small, (int64_t)seg->size);
+    if (seg->oversize) vram__stat_decrease(&pool->stats.oversize_segments, 1);
+    pool->stats.num_device_free++;
+    vram__trace(pool, VRAM_TRACE_SEGMENT_FREE, seg->addr, seg->size, seg->stream, context, 0);
+    if (seg->prev) seg->prev->next = seg->next;
+    else pool->segments = seg->next;
+    if (seg->next) seg->next->prev = seg->prev;
+    free(seg);
+    vram__block_delete(pool, block);
+}
+
+void vram__release_cached_blocks(vram_pool_t *pool, uint64_t context) {
+    vram__synchronize_and_free_events(pool);
+    for (vram__segment_t *seg = pool->segments, *next; seg; seg = next) {
+        next = seg->next;
+        if (vram__is_whole_free(seg->head)) vram__release_block(pool, seg->head, context);
+    }
+}
+
+vram_status_t vram_empty_cache(vram_pool_t *pool, uint64_t *released) {
+    vram__lock(&pool->lock);
+    int64_t before = pool->stats.reserved_bytes[VRAM_STAT_ALL].current;
+    vram__release_cached_blocks(pool, 0);
+    int64_t after = pool->stats.reserved_bytes[VRAM_STAT_ALL].current;
+    vram__unlock(&pool->lock);
+    if (released) *released = (uint64_t)(before - after);
+    return VRAM_OK;
+}
+
+/* With max_split_size set, oversize cached blocks are freed to make room: the smallest one
+ * that covers the request, else the largest ones first until enough is freed. */
+int vram__release_available_cached_blocks(vram_pool_t *pool, vram__free_index_t *index, vram_stream_t stream,
+                                          uint64_t rounded, uint64_t context) {
+    uint64_t max_split = pool->settings.max_split_size;
+    if (max_split == VRAM_UNLIMITED) return 0;
+    uint64_t want = rounded < max_split ? max_split : rounded;
+    vram__block_t *fit = vram__index_lower_bound(index, stream, want);
+    if (fit && fit->stream == stream && vram__is_whole_free(fit)) {
+        vram__release_block(pool, fit, context);
+        return 1;
+    }
+    uint64_t released = 0;
+    vram__block_t *candidate = vram__index_before(index, stream, want, 0);
+    while (released < want && candidate && candidate->stream == stream && candidate->size >= max_split) {
+        vram__block_t *before = vram__index_before(index, candidate->stream, candidate->size, candidate->addr);
+        if (vram__is_whole_free(candidate)) {
+            released += candidate->size;
+            vram__release_block(pool, candidate, context);
+        }
+        candidate = before;
+    }
+    return released >= want;
+}
+
+/* PyTorch's garbage_collect_cached_blocks: above threshold × allowed memory, free whole
+ * large-pool segments whose age (free-index lookups since they became free) is at least the
+ * average, repeating until the excess is reclaimed. Where PyTorch needs a memory fraction for
+ * this, we fall back to the device's capacity, so the option works on its own. */
+void vram__garbage_collect(vram_pool_t *pool, uint64_t context) {
+    uint64_t allowed = pool->settings.allowed_bytes;
+    if (allowed > pool->total_capacity) allowed = pool->total_capacity;
+    uint64_t threshold = (uint64_t)(pool->settings.garbage_collection_threshold * (double)allowed);
+    uint64_t reserved = (uint64_t)pool->stats.reserved_bytes[VRAM_STAT_ALL].current;
+    if (reserved <= threshold) return;
+    uint64_t target = reserved - threshold, reclaimed = 0, now = pool->large.lookups;
+    uint64_t total_age = 0, freeable = 0;
+    for (vram__segment_t *seg = pool->segments; seg; seg = seg->next) {
+        if (!seg->is_small && vram__is_whole_free(seg->head)) {
+            total_age += now - seg->head->gc_count_base;
+            freeable++;
+        }
+    }
+    int freed_one = 1;
+    while (reclaimed < target && freed_one && freeable > 0) {
+        double age_threshold = (double)total_age / (double)freeable;
+        freed_one = 0;
+        for (vram__segment_t *seg = pool->segments, *next; seg; seg = next) {
+            next = seg->next;
+            vram__block_t *b = seg->head;
+            if (seg->is_small || !vram__is_whole_free(b)) continue;
+            uint64_t age = now - b->gc_count_base;
+            if ((double)age < age_threshold) continue;
+            freed_one = 1;
+            reclaimed += seg->size;
+            total_age -= age;
+            freeable--;
+            vram__release_block(pool, b, context);
+        }
+    }
+}

@@ -1,0 +1,53 @@
+/* settings.c — per-pool limits and options, changed at run time under the pool lock. */
+#include "internal.h"
+
+#include "../util/error.h"
+
+vram_status_t vram_mem_get_info(vram_pool_t *pool, uint64_t *free_bytes, uint64_t *total_bytes) {
+    vram__lock(&pool->lock);
+    vram_status_t status = pool->backend->mem_info(pool->ctx, free_bytes, total_bytes);
+    vram__unlock(&pool->lock);
+    return status;
+}
+
+vram_status_t vram_set_memory_fraction(vram_pool_t *pool, double fraction) {
+    if (!(fraction >= 0.0 && fraction <= 1.0))
+        return vram__fail(VRAM_ERR_INVALID_ARG, "invalid memory fraction %g: allowed range is 0 to 1", fraction);
+    vram__lock(&pool->lock);
+    pool->settings.memory_fraction = fraction;
+    vram__settings_update_allowed(&pool->settings, pool->total_capacity);
+    vram__unlock(&pool->lock);
+    return VRAM_OK;
+}
+
+vram_status_t vram_set_memory_limit(vram_pool_t *pool, uint64_t limit_bytes) {
+    if (limit_bytes != VRAM_NO_LIMIT && limit_bytes >= VRAM_MAX_REQUEST)
+        return vram__fail(VRAM_ERR_INVALID_ARG, "memory limit %llu is absurd: limits must be below 2**62 bytes",
+                          (unsigned long long)limit_bytes);
+    vram__lock(&pool->lock);
+    pool->settings.memory_limit = limit_bytes;
+    vram__settings_update_allowed(&pool->settings, pool->total_capacity);
+    vram__unlock(&pool->lock);
+    return VRAM_OK;
+}
+
+vram_status_t vram_configure(vram_pool_t *pool, const char *conf) {
+    vram__lock(&pool->lock);
+    vram_settings_t settings = pool->settings;
+    vram_status_t status = vram__settings_parse(conf, "vramkit.configure", &settings);
+    if (status == VRAM_OK) {
+        vram__settings_update_allowed(&settings, pool->total_capacity);
+        pool->settings = settings;
+        pool->stats.max_split_size =
+            settings.max_split_size == VRAM_UNLIMITED ? -1 : (int64_t)settings.max_split_size;
+    }
+    vram__unlock(&pool->lock);
+    return status;
+}
+
+vram_status_t vram_get_settings(vram_pool_t *pool, vram_settings_t *out) {
+    vram__lock(&pool->lock);
+    *out = pool->settings;
+    vram__unlock(&pool->lock);
+    return VRAM_OK;
+}

@@ -1,0 +1,100 @@
+/* sim.c — a simulated device: it hands out addresses from a virtual range and never touches
+ * memory, so an 80 GiB GPU, or a recorded trace, can be replayed on a laptop.
+ *
+ * Addresses come from a bump pointer and are never reused: a released range stays unused,
+ * which keeps the backend O(1) and makes every segment's address unique in a trace. The
+ * range starts at 4 GiB and has 2^52 bytes, far below 2^53 so JavaScript viewers keep exact
+ * addresses; a run would need petabytes of segment churn to exhaust it. */
+#include <stdlib.h>
+
+#include "host_streams.h"
+#include "../util/error.h"
+
+#define SIM_BASE ((uint64_t)1 << 32)
+#define SIM_SPAN ((uint64_t)1 << 52)
+#define SIM_ALIGN ((uint64_t)2 << 20)
+
+typedef struct sim_ctx {
+    vram__host_streams_t streams;
+    uint64_t capacity, used, next;
+} sim_ctx_t;
+
+static vram_status_t sim_segment_alloc(void *ctx, uint64_t size, vram_stream_t stream, uintptr_t *out) {
+    (void)stream;
+    sim_ctx_t *s = ctx;
+    if (size > s->capacity - s->used) return VRAM_ERR_OOM;
+    uint64_t aligned = (size + SIM_ALIGN - 1) / SIM_ALIGN * SIM_ALIGN;
+    if (aligned > SIM_BASE + SIM_SPAN - s->next)
+        return vram__fail(VRAM_ERR_BACKEND, "simulated device address range exhausted after %llu bytes of segments",
+                          (unsigned long long)(s->next - SIM_BASE));
+    *out = (uintptr_t)s->next;
+    s->next += aligned;
+    s->used += size;
+    return VRAM_OK;
+}
+
+static void sim_segment_free(void *ctx, uintptr_t addr, uint64_t size) {
+    (void)addr;
+    ((sim_ctx_t *)ctx)->used -= size;
+}
+
+static vram_status_t sim_mem_info(void *ctx, uint64_t *free_bytes, uint64_t *total_bytes) {
+    const sim_ctx_t *s = ctx;
+    *free_bytes = s->capacity - s->used;
+    *total_bytes = s->capacity;
+    return VRAM_OK;
+}
+
+static vram_status_t sim_synchronize(void *ctx, vram_stream_t stream) {
+    return vram__host_streams_synchronize(&((sim_ctx_t *)ctx)->streams, stream);
+}
+static vram_status_t sim_event_record(void *ctx, vram_stream_t stream, void **event) {
+    return vram__host_event_record(&((sim_ctx_t *)ctx)->streams, stream, event);
+}
+static vram_status_t sim_event_query(void *ctx, void *event, int *done) {
+    return vram__host_event_query(&((sim_ctx_t *)ctx)->streams, event, done);
+}
+static vram_status_t sim_event_synchronize(void *ctx, void *event) {
+    return vram__host_event_synchronize(&((sim_ctx_t *)ctx)->streams, event);
+}
+static void sim_event_destroy(void *ctx, void *event) {
+    (void)ctx;
+    vram__host_event_destroy(event);
+}
+static void sim_destroy(void *ctx) {
+    vram__host_streams_destroy(&((sim_ctx_t *)ctx)->streams);
+    free(ctx);
+}
+
+static const vram_backend_t sim_backend = {
+    .name = "sim",
+    .segment_alloc = sim_segment_alloc,
+    .segment_free = sim_segment_free,
+    .mem_info = sim_mem_info,
+    .synchronize = sim_synchronize,
+    .event_record = sim_event_record,
+    .event_query = sim_event_query,
+    .event_synchronize = sim_event_synchronize,
+    .event_destroy = sim_event_destroy,
+    .destroy = sim_destroy,
+};
+
+const vram_backend_t *vram_backend_sim(void) { return &sim_backend; }
+
+vram_status_t vram_backend_sim_ctx(uint64_t total_bytes, void **ctx) {
+    if (total_bytes == 0 || total_bytes >= VRAM_MAX_REQUEST)
+        return vram__fail(VRAM_ERR_INVALID_ARG,
+                          "a simulated device needs a capacity between 1 byte and 2**62 bytes; got %llu",
+                          (unsigned long long)total_bytes);
+    sim_ctx_t *s = calloc(1, sizeof *s);
+    if (!s) return vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory for a simulated device");
+    vram_status_t status = vram__host_streams_init(&s->streams);
+    if (status != VRAM_OK) {
+        free(s);
+        return status;
+    }
+    s->capacity = total_bytes;
+    s->next = SIM_BASE;
+    *ctx = s;
+    return VRAM_OK;
+}
