@@ -1,0 +1,163 @@
+/* context.c — Python stacks for the allocation history, interned to 64-bit ids.
+ *
+ * Capture walks the caller's frames and keeps (code object, line) pairs; identical stacks
+ * share one id, so a training loop that allocates from the same lines a million times stores
+ * its stack once. Frames inside the vramkit package itself are dropped from the innermost end
+ * so that stacks start at the user's code.
+ *
+ * Capture must run before the pool lock is taken: touching frames can allocate, allocation
+ * can start the garbage collector, and a finalizer may free vramkit memory on this thread. The
+ * table is only touched with the GIL held. */
+#include "module.h"
+
+#include <frameobject.h>
+
+#define MAX_FRAMES 64
+
+typedef struct frame_ref {
+    PyCodeObject *code; /* a strong reference, kept for the life of the process */
+    int line;
+} frame_ref_t;
+
+typedef struct stack_entry {
+    uint64_t hash;
+    uint32_t count;
+    frame_ref_t *frames;
+} stack_entry_t;
+
+static stack_entry_t *stacks; /* id = index + 1 */
+static uint64_t num_stacks, cap_stacks;
+static uint64_t *slots; /* open addressing over ids; 0 = empty */
+static uint64_t num_slots;
+static PyObject *hidden_prefix; /* frames whose filename starts with this are skipped */
+
+static uint64_t hash_frames(const frame_ref_t *f, uint32_t n) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (uint32_t i = 0; i < n; i++) {
+        h = (h ^ (uint64_t)(uintptr_t)f[i].code) * 0x100000001b3ull;
+        h = (h ^ (uint64_t)(uint32_t)f[i].line) * 0x100000001b3ull;
+    }
+    return h ? h : 1;
+}
+
+static int same(const stack_entry_t *s, uint64_t hash, const frame_ref_t *f, uint32_t n) {
+    if (s->hash != hash || s->count != n) return 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (s->frames[i].code != f[i].code || s->frames[i].line != f[i].line) return 0;
+    return 1;
+}
+
+static int grow_slots(void) {
+    uint64_t n = num_slots ? num_slots * 2 : 1024;
+    uint64_t *fresh = calloc(n, sizeof *fresh);
+    if (!fresh) return -1;
+    for (uint64_t id = 1; id <= num_stacks; id++) {
+        uint64_t i = stacks[id - 1].hash & (n - 1);
+        while (fresh[i]) i = (i + 1) & (n - 1);
+        fresh[i] = id;
+    }
+    free(slots);
+    slots = fresh;
+    num_slots = n;
+    return 0;
+}
+
+/* Returns the id; takes over the references in `f` when a new entry is made. */
+static uint64_t intern(frame_ref_t *f, uint32_t n, int *took_refs) {
+    *took_refs = 0;
+    uint64_t hash = hash_frames(f, n);
+    if ((num_stacks + 1) * 2 > num_slots && grow_slots() != 0) return 0;
+    uint64_t i = hash & (num_slots - 1);
+    for (; slots[i]; i = (i + 1) & (num_slots - 1))
+        if (same(&stacks[slots[i] - 1], hash, f, n)) return slots[i];
+    if (num_stacks == cap_stacks) {
+        uint64_t cap = cap_stacks ? cap_stacks * 2 : 256;
+        stack_entry_t *grown = realloc(stacks, cap * sizeof *grown);
+        if (!grown) return 0;
+        stacks = grown;
+        cap_stacks = cap;
+    }
+    frame_ref_t *copy = malloc((n ? n : 1) * sizeof *copy);
+    if (!copy) return 0;
+    memcpy(copy, f, n * sizeof *copy);
+    stacks[num_stacks] = (stack_entry_t){hash, n, copy};
+    slots[i] = ++num_stacks;
+    *took_refs = 1;
+    return num_stacks;
+}
+
+static int hidden(PyCodeObject *code) {
+    if (!hidden_prefix) return 0;
+    PyObject *filename = code->co_filename;
+    return PyUnicode_Check(filename) && PyUnicode_Tailmatch(filename, hidden_prefix, 0, PY_SSIZE_T_MAX, -1) == 1;
+}
+
+uint64_t vk_capture_context(vram_pool_t *pool) {
+    if (!vram_history_enabled(pool) || !PyGILState_Check()) return 0;
+    frame_ref_t frames[MAX_FRAMES];
+    uint32_t n = 0;
+    PyFrameObject *frame = PyEval_GetFrame(); /* borrowed */
+    Py_XINCREF(frame);
+    while (frame && n < MAX_FRAMES) {
+        PyCodeObject *code = PyFrame_GetCode(frame);
+        if (n == 0 && hidden(code)) {
+            Py_DECREF(code); /* still inside vramkit: start at the caller */
+        } else {
+            frames[n].code = code;
+            frames[n].line = PyFrame_GetLineNumber(frame);
+            n++;
+        }
+        PyFrameObject *back = PyFrame_GetBack(frame);
+        Py_DECREF(frame);
+        frame = back;
+    }
+    Py_XDECREF(frame);
+    int took = 0;
+    uint64_t id = intern(frames, n, &took);
+    if (!took)
+        for (uint32_t i = 0; i < n; i++) Py_DECREF(frames[i].code);
+    return id;
+}
+
+PyObject *vk_context_frames(uint64_t context) {
+    if (context == 0 || context > num_stacks) return PyList_New(0);
+    const stack_entry_t *s = &stacks[context - 1];
+    PyObject *list = PyList_New(s->count);
+    if (!list) return NULL;
+    for (uint32_t i = 0; i < s->count; i++) {
+        PyCodeObject *code = s->frames[i].code;
+        PyObject *frame = Py_BuildValue("{s:O,s:i,s:O}", "filename", code->co_filename, "line", s->frames[i].line,
+                                        "name", code->co_name);
+        if (!frame) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, frame);
+    }
+    return list;
+}
+
+static PyObject *context_frames(PyObject *self, PyObject *arg) {
+    (void)self;
+    unsigned long long id = PyLong_AsUnsignedLongLong(arg);
+    if (id == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    return vk_context_frames(id);
+}
+
+static PyObject *set_hidden_prefix(PyObject *self, PyObject *arg) {
+    (void)self;
+    if (!PyUnicode_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "_set_hidden_prefix expects a path string");
+        return NULL;
+    }
+    Py_XSETREF(hidden_prefix, Py_NewRef(arg));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"context_frames", context_frames, METH_O, "Frames of an interned stack id, innermost first."},
+    {"_set_hidden_prefix", set_hidden_prefix, METH_O, "Drop innermost frames from files under this path."},
+    {NULL, NULL, 0, NULL},
+};
+
+int vk_context_init(PyObject *module) { return vk_add_methods(module, methods); }

@@ -1,0 +1,44 @@
+/* module.h — shared declarations of the CPython bindings (the only code that sees Python).
+ * One .c file per Python-facing area; each registers its functions through *_init(module). */
+#ifndef VRAM_PYTHON_MODULE_H
+#define VRAM_PYTHON_MODULE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "vramkit.h"
+
+/* errors.c: raise the Python exception for a failed status (the message comes from
+ * vram_last_error). INVALID_ARG becomes ValueError, OOM vramkit.OutOfMemoryError, the rest
+ * vramkit.VramkitError. Always returns NULL. */
+PyObject *vk_raise(vram_status_t status);
+int vk_errors_init(PyObject *module);
+
+/* devices.c: resolve a device argument (None = the default device, "cpu", "cuda:1",
+ * "sim:0", an int CUDA index, or a torch.device) to its pool. Returns -1 with an exception. */
+int vk_pool_from_arg(PyObject *device, vram_pool_t **pool);
+int vk_devices_init(PyObject *module);
+/* The canonical device string, as a new reference. */
+PyObject *vk_device_name(vram_device_t device);
+
+/* sizes: a non-negative Python int below 2**62 (TypeError / ValueError otherwise). */
+int vk_size_from_arg(PyObject *obj, const char *what, uint64_t *out);
+
+/* context.c: the interned Python stack of the caller, or 0 when the pool is not recording or
+ * the GIL is not held. Call before taking any pool lock: capturing may run the GC. */
+uint64_t vk_capture_context(vram_pool_t *pool);
+/* A new list of {"filename", "line", "name"} dicts for a context id, innermost frame first. */
+PyObject *vk_context_frames(uint64_t context);
+int vk_context_init(PyObject *module);
+
+int vk_memory_init(PyObject *module);   /* memory.c: alloc/free, stats, limits, summary */
+int vk_snapshot_init(PyObject *module); /* snapshot.c: snapshot dicts */
+int vk_buffer_init(PyObject *module);   /* buffer.c: vramkit.Buffer */
+int vk_numpy_init(PyObject *module);    /* numpy_handler.c: the NEP 49 handler */
+int vk_bench_init(PyObject *module);    /* bench.c: C-level benchmark loops */
+int vk_cuda_tools_init(PyObject *module); /* cuda_tools.c: test helpers for CUDA memory */
+
+/* Add a NULL-terminated method table to the module. */
+int vk_add_methods(PyObject *module, PyMethodDef *methods);
+
+#endif

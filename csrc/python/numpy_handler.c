@@ -1,0 +1,103 @@
+/* numpy_handler.c — a NEP 49 data-memory handler that routes NumPy array data through the
+ * cpu pool, so NumPy memory shows in vramkit's counters and large temporaries reuse
+ * already-faulted pages instead of a fresh mmap (and page faults) per array.
+ *
+ * NumPy keeps the handler capsule in each array it creates and frees through it, so arrays
+ * made while the handler was installed return to the pool even after uninstall(); the pool
+ * is never destroyed, so frees during interpreter teardown are safe. The NumPy C API is
+ * imported on first install, so `import vramkit` does not import NumPy. */
+#include "module.h"
+
+#define NPY_NO_DEPRECATED_API NPY_1_22_API_VERSION
+#define NPY_TARGET_VERSION NPY_1_22_API_VERSION
+#include <numpy/arrayobject.h>
+
+static vram_pool_t *cpu_pool;
+static PyObject *handler_capsule; /* kept forever: arrays hold it too */
+
+/* NumPy may ask for 0 bytes and treats NULL as failure; give it the smallest block. */
+static void *np_malloc(void *ctx, size_t size) {
+    (void)ctx;
+    void *p = NULL;
+    if (vram_malloc(cpu_pool, size ? size : 1, 0, vk_capture_context(cpu_pool), &p) != VRAM_OK) return NULL;
+    return p;
+}
+
+static void *np_calloc(void *ctx, size_t nelem, size_t elsize) {
+    if (elsize && nelem > SIZE_MAX / elsize) return NULL;
+    size_t size = nelem * elsize;
+    void *p = np_malloc(ctx, size);
+    if (p) memset(p, 0, size); /* cached blocks hold old data, unlike fresh mmap pages */
+    return p;
+}
+
+static void *np_realloc(void *ctx, void *ptr, size_t new_size) {
+    if (!ptr) return np_malloc(ctx, new_size);
+    vram_block_info_t info;
+    if (vram_block_query(cpu_pool, ptr, &info) != VRAM_OK) return NULL;
+    /* Always move: keeping the old block would leave requested_bytes describing the old size. */
+    void *fresh = np_malloc(ctx, new_size);
+    if (!fresh) return NULL;
+    memcpy(fresh, ptr, info.requested_size < new_size ? info.requested_size : new_size);
+    if (vram_free(cpu_pool, ptr, vk_capture_context(cpu_pool)) != VRAM_OK) {
+        /* unreachable: ptr was just found by vram_block_query */
+    }
+    return fresh;
+}
+
+static void np_free(void *ctx, void *ptr, size_t size) {
+    (void)ctx;
+    (void)size;
+    /* NumPy frees through the handler that allocated, so ptr is ours; free has no error path. */
+    if (ptr && vram_free(cpu_pool, ptr, vk_capture_context(cpu_pool)) != VRAM_OK) {
+    }
+}
+
+static PyDataMem_Handler vramkit_handler = {
+    "vramkit_cpu_pool",
+    1,
+    {NULL, np_malloc, np_calloc, np_realloc, np_free},
+};
+
+static int ensure_ready(void) {
+    if (handler_capsule) return 0;
+    if (PyArray_ImportNumPyAPI() < 0) return -1;
+    vram_status_t status = vram_device_pool((vram_device_t){VRAM_DEVICE_CPU, 0}, &cpu_pool);
+    if (status != VRAM_OK) {
+        vk_raise(status);
+        return -1;
+    }
+    handler_capsule = PyCapsule_New(&vramkit_handler, "mem_handler", NULL);
+    return handler_capsule ? 0 : -1;
+}
+
+/* Install ours (or a given capsule, to restore a previous one); returns the previous one. */
+static PyObject *set_handler(PyObject *self, PyObject *arg) {
+    (void)self;
+    if (ensure_ready() != 0) return NULL;
+    return PyDataMem_SetHandler(arg == Py_None ? handler_capsule : arg);
+}
+
+static PyObject *get_handler(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    if (ensure_ready() != 0) return NULL;
+    return PyDataMem_GetHandler();
+}
+
+static PyObject *handler(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    if (ensure_ready() != 0) return NULL;
+    return Py_NewRef(handler_capsule);
+}
+
+static PyMethodDef methods[] = {
+    {"numpy_set_handler", set_handler, METH_O,
+     "numpy_set_handler(capsule_or_None) -> previous handler. None installs vramkit's handler."},
+    {"numpy_get_handler", get_handler, METH_NOARGS, "The NumPy data-memory handler of the current context."},
+    {"numpy_handler", handler, METH_NOARGS, "vramkit's handler capsule."},
+    {NULL, NULL, 0, NULL},
+};
+
+int vk_numpy_init(PyObject *module) { return vk_add_methods(module, methods); }

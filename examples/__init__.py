@@ -1,0 +1,1 @@
+"""Example workloads for `python -m vramkit run` (shipped as vramkit.examples)."""

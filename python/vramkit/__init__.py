@@ -1,0 +1,65 @@
+"""vramkit: train models in the memory you have.
+
+A caching allocator in C for CUDA memory, host memory and simulated devices, with the
+counters, summaries and snapshots PyTorch users know (memory_allocated, memory_reserved,
+memory_stats, memory_summary, empty_cache, memory snapshots for pytorch.org/memory_viz).
+"""
+
+from __future__ import annotations
+
+import os as _os
+
+from . import _C
+from ._devices import current_device, device_count, is_available, set_device
+from ._errors import OutOfMemoryError, VramkitError
+from .cache import CacheReport, clear_cache
+from .memory import (
+    Buffer,
+    configure,
+    dump_snapshot,
+    empty,
+    empty_cache,
+    get_settings,
+    max_memory_allocated,
+    max_memory_reserved,
+    mem_get_info,
+    memory_allocated,
+    memory_reserved,
+    memory_snapshot,
+    memory_stats,
+    memory_summary,
+    pool_check,
+    raw_alloc,
+    raw_free,
+    record_memory_history,
+    record_stream,
+    reset_accumulated_memory_stats,
+    reset_peak_memory_stats,
+    set_memory_limit,
+    set_per_process_memory_fraction,
+    synchronize,
+)
+from . import sim
+
+__version__ = _C.__version__
+
+# Stacks recorded in the history start at the caller's code, not inside vramkit.
+_C._set_hidden_prefix(_os.path.dirname(_os.path.abspath(__file__)) + _os.sep)
+
+__all__ = [
+    "Buffer", "CacheReport", "OutOfMemoryError", "VramkitError", "clear_cache", "configure", "current_device",
+    "device_count", "dump_snapshot", "empty", "empty_cache", "get_settings", "is_available", "max_memory_allocated",
+    "max_memory_reserved", "mem_get_info", "memory_allocated", "memory_reserved", "memory_snapshot", "memory_stats",
+    "memory_summary", "pool_check", "raw_alloc", "raw_free", "record_memory_history", "record_stream",
+    "reset_accumulated_memory_stats", "reset_peak_memory_stats", "set_device", "set_memory_limit",
+    "set_per_process_memory_fraction", "sim", "synchronize",
+]
+
+
+def __getattr__(name: str):
+    # vramkit.numpy imports NumPy's handler machinery only when first used.
+    if name == "numpy":
+        import importlib
+
+        return importlib.import_module(".numpy", __name__)
+    raise AttributeError(f"module 'vramkit' has no attribute {name!r}")

@@ -1,0 +1,114 @@
+"""Build vramkit._C from csrc/.
+
+Switches (environment variables):
+  VRAMKIT_CUDA=auto|0|1     build the CUDA backend and kernels (auto: when nvcc is found)
+  CUDA_HOME                 where the CUDA toolkit lives (else derived from nvcc on PATH)
+  VRAMKIT_CUDA_ARCHS="80;90"  compute capabilities to build for (default Ampere and Hopper)
+  VRAMKIT_WERROR=1          treat C warnings as errors (CI sets this)
+  VRAMKIT_SANITIZE=address,undefined   build with sanitizers (run with libasan preloaded)
+  VRAMKIT_DEBUG=1           -O0 -g
+"""
+
+import glob
+import os
+import shutil
+import subprocess
+
+import numpy
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def env_flag(name, default="0"):
+    return os.environ.get(name, default).strip().lower() in ("1", "true", "yes", "on")
+
+
+def find_cuda():
+    """Return CUDA_HOME if CUDA sources should be built, else None."""
+    mode = os.environ.get("VRAMKIT_CUDA", "auto").strip().lower()
+    if mode in ("0", "off", "false", "no"):
+        return None
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidates = [home] if home else []
+    nvcc = shutil.which("nvcc")
+    if nvcc and not home:
+        # nvcc on PATH may be a wrapper script; look for the toolkit beside it and in the usual places.
+        candidates += [os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "/usr/local/cuda", "/opt/cuda"]
+    for root in candidates:
+        if os.path.exists(os.path.join(root, "bin", "nvcc")) and os.path.exists(
+                os.path.join(root, "include", "cuda_runtime_api.h")):
+            return root
+    if mode in ("1", "on", "true", "yes"):
+        raise RuntimeError("VRAMKIT_CUDA=1 but no CUDA toolkit was found (set CUDA_HOME or put nvcc on PATH)")
+    return None
+
+
+def sources(*patterns):
+    return sorted(p for pattern in patterns for p in glob.glob(os.path.join("csrc", pattern)))
+
+
+CUDA_HOME = find_cuda()
+SANITIZE = os.environ.get("VRAMKIT_SANITIZE", "").strip()
+
+compile_args = ["-std=c11", "-D_DEFAULT_SOURCE", "-Wall", "-Wextra", "-fvisibility=hidden"]
+link_args = []
+if env_flag("VRAMKIT_WERROR"):
+    compile_args.append("-Werror")
+if SANITIZE:
+    compile_args += [f"-fsanitize={SANITIZE}", "-fno-omit-frame-pointer", "-g", "-O1"]
+    link_args += [f"-fsanitize={SANITIZE}"]
+elif env_flag("VRAMKIT_DEBUG"):
+    compile_args += ["-O0", "-g"]
+else:
+    compile_args += ["-O2"]
+
+define_macros = [("VRAMKIT_BUILD", "1")]
+extra_objects = []
+if CUDA_HOME:
+    define_macros.append(("VRAMKIT_WITH_CUDA", "1"))
+    # The static runtime lets the module import where no CUDA runtime library is installed;
+    # without a driver CUDA calls fail and vramkit reports no CUDA devices.
+    link_args += [os.path.join(CUDA_HOME, "lib64", "libcudart_static.a"), "-lrt", "-ldl", "-lpthread", "-lstdc++"]
+
+ext = Extension(
+    "vramkit._C",
+    sources=sources("util/*.c", "alloc/*.c", "backends/*.c", "python/*.c"),
+    include_dirs=["csrc/include", numpy.get_include()] + ([os.path.join(CUDA_HOME, "include")] if CUDA_HOME else []),
+    define_macros=define_macros,
+    extra_compile_args=compile_args,
+    extra_link_args=link_args,
+    extra_objects=extra_objects,
+    depends=sources("include/*.h", "util/*.h", "alloc/*.h", "backends/*.h", "python/*.h", "kernels/*"),
+)
+
+
+class BuildExt(build_ext):
+    """Compile csrc/kernels/*.cu with nvcc to objects and link them into the extension."""
+
+    def build_extensions(self):
+        if CUDA_HOME:
+            nvcc = os.path.join(CUDA_HOME, "bin", "nvcc")
+            archs = [a.strip() for a in os.environ.get("VRAMKIT_CUDA_ARCHS", "80;90").replace(",", ";").split(";") if a.strip()]
+            gencode = []
+            for arch in archs:
+                gencode += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+            gencode += ["-gencode", f"arch=compute_{archs[-1]},code=compute_{archs[-1]}"]  # PTX for newer GPUs
+            out_dir = os.path.join(self.build_temp, "cuda")
+            os.makedirs(out_dir, exist_ok=True)
+            for src in sources("kernels/*.cu"):
+                obj = os.path.join(out_dir, os.path.basename(src) + ".o")
+                if not os.path.exists(obj) or os.path.getmtime(obj) < max(os.path.getmtime(p) for p in sources("kernels/*")):
+                    cmd = [nvcc, "-c", src, "-o", obj, "-O2", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden",
+                           "-Icsrc/include", "-Xfatbin=-compress-all"] + gencode
+                    if env_flag("VRAMKIT_WERROR"):
+                        cmd += ["-Werror", "all-warnings"]
+                    self.announce(" ".join(cmd), level=2)
+                    subprocess.check_call(cmd, cwd=ROOT)
+                for e in self.extensions:
+                    e.extra_objects.append(obj)
+        super().build_extensions()
+
+
+setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})
