@@ -1,22 +1,26 @@
 /* sim.c — a simulated device: it hands out addresses from a virtual range and never touches
  * memory, so an 80 GiB GPU, or a recorded trace, can be replayed on a laptop.
  *
- * Addresses come from a bump pointer and are never reused: a released range stays unused,
- * which keeps the backend O(1) and makes every segment's address unique in a trace. The
- * range starts at 4 GiB and has 2^52 bytes, far below 2^53 so JavaScript viewers keep exact
- * addresses; a run would need petabytes of segment churn to exhaust it. */
+ * Every simulated device draws from one process-wide range, so an address identifies its
+ * device (raw_free(ptr) finds the right pool), and addresses are never reused: a released
+ * range stays unused, which keeps the backend O(1) and makes every segment unique in a
+ * trace. The range starts at 2^48, above the 47-bit user address space where host and CUDA
+ * pointers live, and ends at 2^53 so JavaScript viewers keep exact addresses; a process
+ * would need petabytes of segment churn to exhaust it. */
 #include <stdlib.h>
 
 #include "host_streams.h"
 #include "../util/error.h"
 
-#define SIM_BASE ((uint64_t)1 << 32)
-#define SIM_SPAN ((uint64_t)1 << 52)
+#define SIM_BASE ((uint64_t)1 << 48)
+#define SIM_END ((uint64_t)1 << 53)
 #define SIM_ALIGN ((uint64_t)2 << 20)
+
+static uint64_t next_address = SIM_BASE; /* shared by all simulated devices, updated atomically */
 
 typedef struct sim_ctx {
     vram__host_streams_t streams;
-    uint64_t capacity, used, next;
+    uint64_t capacity, used;
 } sim_ctx_t;
 
 static vram_status_t sim_segment_alloc(void *ctx, uint64_t size, vram_stream_t stream, uintptr_t *out) {
@@ -24,11 +28,11 @@ static vram_status_t sim_segment_alloc(void *ctx, uint64_t size, vram_stream_t s
     sim_ctx_t *s = ctx;
     if (size > s->capacity - s->used) return VRAM_ERR_OOM;
     uint64_t aligned = (size + SIM_ALIGN - 1) / SIM_ALIGN * SIM_ALIGN;
-    if (aligned > SIM_BASE + SIM_SPAN - s->next)
-        return vram__fail(VRAM_ERR_BACKEND, "simulated device address range exhausted after %llu bytes of segments",
-                          (unsigned long long)(s->next - SIM_BASE));
-    *out = (uintptr_t)s->next;
-    s->next += aligned;
+    uint64_t addr = __atomic_fetch_add(&next_address, aligned, __ATOMIC_RELAXED);
+    if (addr > SIM_END || aligned > SIM_END - addr)
+        return vram__fail(VRAM_ERR_BACKEND, "simulated address range exhausted after %llu bytes of segments",
+                          (unsigned long long)(addr - SIM_BASE));
+    *out = (uintptr_t)addr;
     s->used += size;
     return VRAM_OK;
 }
@@ -94,7 +98,6 @@ vram_status_t vram_backend_sim_ctx(uint64_t total_bytes, void **ctx) {
         return status;
     }
     s->capacity = total_bytes;
-    s->next = SIM_BASE;
     *ctx = s;
     return VRAM_OK;
 }

@@ -29,7 +29,8 @@ static stack_entry_t *stacks; /* id = index + 1 */
 static uint64_t num_stacks, cap_stacks;
 static uint64_t *slots; /* open addressing over ids; 0 = empty */
 static uint64_t num_slots;
-static PyObject *hidden_prefix; /* frames whose filename starts with this are skipped */
+static PyObject *hidden_prefix;  /* innermost frames from files under this path are skipped... */
+static PyObject *visible_prefix; /* ...unless they are under this one (the bundled examples) */
 
 static uint64_t hash_frames(const frame_ref_t *f, uint32_t n) {
     uint64_t h = 0xcbf29ce484222325ull;
@@ -86,10 +87,12 @@ static uint64_t intern(frame_ref_t *f, uint32_t n, int *took_refs) {
     return num_stacks;
 }
 
+static int starts_with(PyObject *text, PyObject *prefix) {
+    return prefix && PyUnicode_Check(text) && PyUnicode_Tailmatch(text, prefix, 0, PY_SSIZE_T_MAX, -1) == 1;
+}
+
 static int hidden(PyCodeObject *code) {
-    if (!hidden_prefix) return 0;
-    PyObject *filename = code->co_filename;
-    return PyUnicode_Check(filename) && PyUnicode_Tailmatch(filename, hidden_prefix, 0, PY_SSIZE_T_MAX, -1) == 1;
+    return starts_with(code->co_filename, hidden_prefix) && !starts_with(code->co_filename, visible_prefix);
 }
 
 uint64_t vk_capture_context(vram_pool_t *pool) {
@@ -144,19 +147,19 @@ static PyObject *context_frames(PyObject *self, PyObject *arg) {
     return vk_context_frames(id);
 }
 
-static PyObject *set_hidden_prefix(PyObject *self, PyObject *arg) {
+static PyObject *set_hidden_prefix(PyObject *self, PyObject *args) {
     (void)self;
-    if (!PyUnicode_Check(arg)) {
-        PyErr_SetString(PyExc_TypeError, "_set_hidden_prefix expects a path string");
-        return NULL;
-    }
-    Py_XSETREF(hidden_prefix, Py_NewRef(arg));
+    PyObject *hide, *show;
+    if (!PyArg_ParseTuple(args, "UU:_set_hidden_prefix", &hide, &show)) return NULL;
+    Py_XSETREF(hidden_prefix, Py_NewRef(hide));
+    Py_XSETREF(visible_prefix, Py_NewRef(show));
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"context_frames", context_frames, METH_O, "Frames of an interned stack id, innermost first."},
-    {"_set_hidden_prefix", set_hidden_prefix, METH_O, "Drop innermost frames from files under this path."},
+    {"_set_hidden_prefix", set_hidden_prefix, METH_VARARGS,
+     "_set_hidden_prefix(hide, show): drop innermost frames from files under `hide` but not under `show`."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -43,8 +43,10 @@ from . import sim
 
 __version__ = _C.__version__
 
-# Stacks recorded in the history start at the caller's code, not inside vramkit.
-_C._set_hidden_prefix(_os.path.dirname(_os.path.abspath(__file__)) + _os.sep)
+# Stacks recorded in the history start at the caller's code, not inside vramkit (the bundled
+# examples, installed inside the package, count as the caller's code).
+_here = _os.path.dirname(_os.path.abspath(__file__)) + _os.sep
+_C._set_hidden_prefix(_here, _here + "examples" + _os.sep)
 
 __all__ = [
     "Buffer", "CacheReport", "OutOfMemoryError", "VramkitError", "clear_cache", "configure", "current_device",

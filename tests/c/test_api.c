@@ -225,7 +225,54 @@ static void test_summary_layout(void) {
     vram_pool_destroy(pool);
 }
 
+static void test_cuda_backend_degrades_without_a_gpu(void) {
+    void *ctx = NULL;
+    int n = vram_cuda_device_count();
+    CHECK(n >= 0);
+    if (!vram_cuda_compiled()) {
+        CHECK(vram_backend_cuda() == NULL && n == 0);
+        CHECK_STATUS(vram_backend_cuda_ctx(0, &ctx), VRAM_ERR_UNAVAILABLE);
+        CHECK_CONTAINS(vram_last_error(), "built without CUDA support");
+        return;
+    }
+    CHECK(vram_backend_cuda() != NULL && !strcmp(vram_backend_cuda()->name, "cuda"));
+    CHECK_STATUS(vram_backend_cuda_ctx(n, &ctx), VRAM_ERR_UNAVAILABLE); /* one past the last device */
+    CHECK_CONTAINS(vram_last_error(), "is not available: this machine has");
+    if (n == 0) return;
+    vram_pool_t *pool = NULL;
+    CHECK_OK(vram_backend_cuda_ctx(0, &ctx));
+    CHECK_OK(vram_pool_create(vram_backend_cuda(), ctx, (vram_device_t){VRAM_DEVICE_CUDA, 0}, NULL, &pool));
+    void *p = NULL;
+    CHECK_OK(vram_malloc(pool, 3 * MiB, 0, 0, &p));
+    CHECK(p != NULL);
+    CHECK_OK(vram_record_stream(pool, p, 0));
+    CHECK_OK(vram_free(pool, p, 0));
+    CHECK_OK(vram_pool_synchronize(pool, VRAM_ALL_STREAMS));
+    uint64_t released = 0, free_bytes = 0, total = 0;
+    CHECK_OK(vram_mem_get_info(pool, &free_bytes, &total));
+    CHECK(total > 0 && free_bytes <= total);
+    CHECK_OK(vram_empty_cache(pool, &released));
+    CHECK(released == 20 * MiB);
+    CHECK_POOL(pool);
+    vram_pool_destroy(pool);
+}
+
+static void test_stats_struct_size_is_checked(void) {
+    vram_pool_t *pool = make_sim_pool(GiB, NULL);
+    vram_stats_t s;
+    memset(&s, 0, sizeof s);
+    s.size = sizeof s - 8; /* an older, smaller struct */
+    CHECK_STATUS(vram_get_stats(pool, &s), VRAM_ERR_INVALID_ARG);
+    CHECK_CONTAINS(vram_last_error(), "sizeof(vram_stats_t)");
+    s.size = sizeof s;
+    CHECK_OK(vram_get_stats(pool, &s));
+    CHECK(s.version == VRAM_STATS_VERSION && s.max_split_size == -1);
+    vram_pool_destroy(pool);
+}
+
 int main(void) {
+    RUN(test_cuda_backend_degrades_without_a_gpu);
+    RUN(test_stats_struct_size_is_checked);
     RUN(test_device_names);
     RUN(test_status_and_format);
     RUN(test_registry);

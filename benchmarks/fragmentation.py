@@ -1,0 +1,336 @@
+"""fragmentation — how much memory the caching allocator holds beyond what a training run uses.
+
+What it measures
+  A deterministic synthetic trace of a mixed-precision GPT-style training run is replayed with
+  `vramkit.raw_alloc` / `vramkit.raw_free` on a fresh simulated 80 GiB device (`sim`, no memory
+  behind the addresses), and the figure is
+
+      peak reserved / peak allocated  = vramkit.max_memory_reserved(dev) / max_memory_allocated(dev)
+
+  (allocated counts rounded block sizes, as PyTorch does). The "peer" is the ideal allocator,
+  one that reserves exactly its peak allocation (ratio 1.00). The same trace is replayed twice,
+  each on its own new sim device: with default settings, and with `max_split_size_mb=128`
+  (the value in vramkit's design notes and PyTorch's documentation example; it is above every
+  per-layer activation of up to 64 MiB here except the 4h-wide MLP tensors and the logits, so
+  those stop being split, which is the situation the option is meant for).
+
+The trace (seed 1234; 400 steps, 12 with --quick):
+  * model: 24 layers, hidden 2048, 16 heads, vocabulary 50304, context 2048, tied embeddings;
+    about 1.31 G parameters in 24 * 12 + 3 tensors.
+  * persistent, allocated once before step 1: bf16 weights, fp32 master weights, AdamW
+    exp_avg and exp_avg_sq (14 bytes per parameter, about 17 GiB).
+  * each step: batch 4, sequence length = longest of 4 log-normal lengths (median 512)
+    padded to a multiple of 8 and capped at 2048, so the token count t varies every step.
+    - forward, per layer: saved activations (layer input, LayerNorm outputs and fp32
+      mean/rstd, qkv, flash-attention output and fp32 logsumexp, dropout masks, MLP
+      4h-wide pre- and post-GELU, residuals) kept until backward; transient q/k/v copies and
+      pre-dropout projections freed at once.
+    - head: bf16 logits kept, fp32 upcast and log-softmax for the loss (fp32 temporary freed).
+    - backward in reverse layer order: each layer's incoming-gradient temporaries, weight
+      gradients (bf16, kept until the optimizer step), and its saved activations freed in
+      reverse order of creation as autograd releases each node.
+    - optimizer: per parameter an fp32 temporary (upcast gradient), then all gradients freed
+      (zero_grad(set_to_none=True)).
+
+Also reported, for information: the smallest simulated device (bisected to 1/16 GiB) on which
+the whole trace runs without an OutOfMemoryError, over peak allocated, for both settings. Under
+memory pressure the allocator frees cached blocks and retries, so this is the figure that says
+whether a run fits, while the first one says how much the cache holds when nothing forces it
+to give memory back.
+
+Target (from the issue): <= 1.15 with default settings; the max_split_size_mb figure is
+reported alongside.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import Row, fmt_bytes, main_for, use_source_tree  # noqa: E402
+
+use_source_tree()
+
+import numpy as np  # noqa: E402
+
+import vramkit  # noqa: E402
+
+SEED = 1234
+DEVICE_BYTES = 80 << 30
+TARGET = 1.15
+MAX_SPLIT_MB = 128
+CAPACITY_STEP = 1 << 26  # 1/16 GiB
+
+LAYERS, HIDDEN, HEADS, VOCAB, CONTEXT, BATCH = 24, 2048, 16, 50304, 2048, 4
+BF16, FP32, BOOL = 2, 4, 1
+
+
+class Trace:
+    """A list of ops: (id, size) allocates buffer `id`, (id, -1) frees it."""
+
+    def __init__(self) -> None:
+        self.ops: list[tuple[int, int]] = []
+        self.next_id = 0
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak_requested = 0
+
+    def alloc(self, size: int) -> int:
+        i = self.next_id
+        self.next_id += 1
+        self.ops.append((i, size))
+        self.live[i] = size
+        self.current += size
+        self.peak_requested = max(self.peak_requested, self.current)
+        return i
+
+    def free(self, i: int) -> None:
+        self.ops.append((i, -1))
+        self.current -= self.live.pop(i)
+
+
+def sequence_lengths(steps: int, seed: int = SEED) -> list[int]:
+    rng = np.random.default_rng(seed)
+    lengths = rng.lognormal(mean=math.log(512), sigma=0.6, size=(steps, BATCH)).max(axis=1)
+    padded = np.ceil(lengths / 8) * 8
+    return [int(min(CONTEXT, max(8, s))) for s in padded]
+
+
+def layer_param_shapes() -> list[int]:
+    h = HIDDEN
+    return [h, h, 3 * h * h, 3 * h, h * h, h, h, h, 4 * h * h, 4 * h, 4 * h * h, h]
+
+
+def build_trace(steps: int, seed: int = SEED) -> tuple[Trace, list[int]]:
+    tr = Trace()
+    h = HIDDEN
+    # Parameter numel in creation order: embeddings, layers, final LayerNorm.
+    params = [VOCAB * h, CONTEXT * h] + [n for _ in range(LAYERS) for n in layer_param_shapes()] + [h, h]
+    for n in params:  # persistent: bf16 weight, fp32 master, exp_avg, exp_avg_sq
+        tr.alloc(n * BF16)
+        tr.alloc(n * FP32)
+        tr.alloc(n * FP32)
+        tr.alloc(n * FP32)
+    persistent = len(tr.live)
+    lengths = sequence_lengths(steps, seed)
+    for s in lengths:
+        t = BATCH * s  # tokens this step
+        grads: list[int] = []
+
+        # ---- forward ----
+        tokens = tr.alloc(t * 8)  # int64 input ids
+        x = tr.alloc(t * h * BF16)  # embedding output (wte + wpe)
+        saved_per_layer: list[list[int]] = []
+        for _ in range(LAYERS):
+            saved = [x]  # the layer input is saved for ln1's backward
+            saved += [tr.alloc(t * FP32), tr.alloc(t * FP32)]  # ln1 mean, rstd
+            ln1 = tr.alloc(t * h * BF16)
+            saved.append(ln1)
+            qkv = tr.alloc(t * 3 * h * BF16)
+            saved.append(qkv)
+            q, k, v = (tr.alloc(t * h * BF16) for _ in range(3))  # contiguous per-head copies
+            attn = tr.alloc(t * h * BF16)
+            lse = tr.alloc(BATCH * HEADS * s * FP32)
+            for buf in (v, k, q):
+                tr.free(buf)
+            saved += [attn, lse]
+            proj = tr.alloc(t * h * BF16)
+            mask1 = tr.alloc(t * h * BOOL)
+            x2 = tr.alloc(t * h * BF16)  # residual: x + dropout(proj)
+            tr.free(proj)
+            saved += [mask1, x2]
+            saved += [tr.alloc(t * FP32), tr.alloc(t * FP32)]  # ln2 mean, rstd
+            ln2 = tr.alloc(t * h * BF16)
+            fc1 = tr.alloc(t * 4 * h * BF16)
+            gelu = tr.alloc(t * 4 * h * BF16)
+            saved += [ln2, fc1, gelu]
+            fc2 = tr.alloc(t * h * BF16)
+            mask2 = tr.alloc(t * h * BOOL)
+            x3 = tr.alloc(t * h * BF16)  # residual: x2 + dropout(fc2)
+            tr.free(fc2)
+            saved.append(mask2)
+            saved_per_layer.append(saved)
+            x = x3
+        lnf_stats = [tr.alloc(t * FP32), tr.alloc(t * FP32)]
+        lnf = tr.alloc(t * h * BF16)
+        logits = tr.alloc(t * VOCAB * BF16)
+        logits32 = tr.alloc(t * VOCAB * FP32)  # upcast for the loss
+        lse_loss = tr.alloc(t * FP32)
+        loss = tr.alloc(FP32)
+        tr.free(logits32)
+
+        # ---- backward ----
+        g_logits32 = tr.alloc(t * VOCAB * FP32)
+        g_logits = tr.alloc(t * VOCAB * BF16)
+        tr.free(g_logits32)
+        grads.append(tr.alloc(VOCAB * h * BF16))  # tied wte/lm-head gradient
+        g = tr.alloc(t * h * BF16)  # d lnf
+        tr.free(g_logits)
+        tr.free(logits)
+        tr.free(lse_loss)
+        g_x = tr.alloc(t * h * BF16)  # d (last layer output)
+        grads += [tr.alloc(h * BF16), tr.alloc(h * BF16)]  # final LN weight/bias
+        tr.free(g)
+        tr.free(lnf)
+        for buf in reversed(lnf_stats):
+            tr.free(buf)
+        tr.free(x)  # last layer's output, saved by the final LayerNorm
+        for saved in reversed(saved_per_layer):
+            (x_in, m1, r1, ln1, qkv, attn, lse, mask1, x2, m2, r2, ln2, fc1, gelu, mask2) = saved
+            # fc2 <- dropout: grad of gelu output, fc2 weight/bias grads
+            g_gelu = tr.alloc(t * 4 * h * BF16)
+            grads += [tr.alloc(4 * h * h * BF16), tr.alloc(h * BF16)]
+            tr.free(mask2)
+            tr.free(gelu)
+            g_fc1 = tr.alloc(t * 4 * h * BF16)  # gelu backward
+            tr.free(g_gelu)
+            tr.free(fc1)
+            g_ln2 = tr.alloc(t * h * BF16)  # fc1 backward
+            grads += [tr.alloc(4 * h * h * BF16), tr.alloc(4 * h * BF16)]
+            tr.free(g_fc1)
+            tr.free(ln2)
+            g_x2_part = tr.alloc(t * h * BF16)  # ln2 backward
+            grads += [tr.alloc(h * BF16), tr.alloc(h * BF16)]
+            tr.free(g_ln2)
+            tr.free(r2)
+            tr.free(m2)
+            g_x2 = tr.alloc(t * h * BF16)  # residual: g_x + g_x2_part
+            tr.free(g_x2_part)
+            tr.free(g_x)
+            tr.free(x2)
+            g_attn = tr.alloc(t * h * BF16)  # proj backward (through dropout)
+            grads += [tr.alloc(h * h * BF16), tr.alloc(h * BF16)]
+            tr.free(mask1)
+            dq_acc = tr.alloc(t * h * FP32)  # flash-attention backward workspace
+            g_qkv = tr.alloc(t * 3 * h * BF16)
+            tr.free(dq_acc)
+            tr.free(g_attn)
+            tr.free(lse)
+            tr.free(attn)
+            g_ln1 = tr.alloc(t * h * BF16)  # qkv backward
+            grads += [tr.alloc(3 * h * h * BF16), tr.alloc(3 * h * BF16)]
+            tr.free(g_qkv)
+            tr.free(qkv)
+            tr.free(ln1)
+            g_x_part = tr.alloc(t * h * BF16)  # ln1 backward
+            grads += [tr.alloc(h * BF16), tr.alloc(h * BF16)]
+            tr.free(g_ln1)
+            tr.free(r1)
+            tr.free(m1)
+            g_in = tr.alloc(t * h * BF16)  # residual: g_x2 + g_x_part
+            tr.free(g_x_part)
+            tr.free(g_x2)
+            tr.free(x_in)
+            g_x = g_in
+        grads.append(tr.alloc(CONTEXT * h * BF16))  # wpe gradient (wte's accumulates in place)
+        tr.free(g_x)
+        tr.free(tokens)
+        tr.free(loss)
+
+        # ---- optimizer step, then zero_grad(set_to_none=True) ----
+        for gi in grads:
+            tmp = tr.alloc(tr.live[gi] * 2)  # fp32 upcast of the bf16 gradient
+            tr.free(tmp)
+        for gi in grads:
+            tr.free(gi)
+        assert len(tr.live) == persistent, "the trace leaks buffers across steps"
+    return tr, lengths
+
+
+def replay(trace: Trace, device: str) -> None:
+    """Run the trace on `device`; everything still live at the end (or at an OOM) is freed."""
+    raw_alloc, raw_free = vramkit.raw_alloc, vramkit.raw_free
+    ptrs: dict[int, int] = {}
+    try:
+        for i, size in trace.ops:
+            if size >= 0:
+                ptrs[i] = raw_alloc(size, device)
+            else:
+                raw_free(ptrs.pop(i))
+    finally:
+        for ptr in ptrs.values():  # persistent state, freed at the end of the run
+            raw_free(ptr)
+
+
+def fits(trace: Trace, capacity: int, options: dict[str, object]) -> tuple[bool, dict[str, int]]:
+    device = vramkit.sim.create(capacity)
+    if options:
+        vramkit.configure(device, **options)
+    try:
+        replay(trace, device)
+        ok = True
+    except vramkit.OutOfMemoryError:
+        ok = False
+    stats = vramkit.memory_stats(device)
+    vramkit.empty_cache(device)
+    return ok, {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
+
+
+def smallest_capacity(trace: Trace, options: dict[str, object], lo: int, hi: int) -> tuple[int, dict[str, int]]:
+    """Bisect the smallest sim capacity (to 1/16 GiB) on which the whole trace runs without an
+    OOM error; `lo` must fail (below peak allocated) and `hi` must fit."""
+    ok, stats = fits(trace, hi, options)
+    if not ok:
+        raise RuntimeError("the trace does not fit the upper bound of the search")
+    while hi - lo > CAPACITY_STEP:
+        mid = (lo + hi) // 2 // CAPACITY_STEP * CAPACITY_STEP
+        if mid <= lo:
+            break
+        ok, mid_stats = fits(trace, mid, options)
+        if ok:
+            hi, stats = mid, mid_stats
+        else:
+            lo = mid
+    return hi, stats
+
+
+def measure(trace: Trace, label: str, options: dict[str, object], target: bool) -> Row:
+    device = vramkit.sim.create(DEVICE_BYTES)
+    if options:
+        vramkit.configure(device, **options)
+    replay(trace, device)
+    stats = vramkit.memory_stats(device)
+    reserved = vramkit.max_memory_reserved(device)
+    allocated = vramkit.max_memory_allocated(device)
+    ratio = reserved / allocated
+    vramkit.empty_cache(device)
+    return Row(
+        benchmark=f"fragmentation: {label}", vramkit=float(reserved), vramkit_text=f"{fmt_bytes(reserved)} reserved",
+        peer_name="ideal", peer=float(allocated), peer_text=f"{fmt_bytes(allocated)} allocated",
+        ratio=ratio, ratio_text=f"{ratio:.3f} reserved/alloc",
+        target="<= 1.15" if target else "(report)", met=(ratio <= TARGET) if target else None,
+        detail={"device": device, "options": options, "peak_requested_bytes": trace.peak_requested,
+                "num_ops": len(trace.ops), "num_alloc_retries": stats.get("num_alloc_retries"),
+                "num_device_alloc": stats.get("num_device_alloc"), "num_device_free": stats.get("num_device_free"),
+                "segment_peak": stats.get("segment.all.peak"),
+                "inactive_split_bytes_peak": stats.get("inactive_split_bytes.all.peak")},
+    )
+
+
+def run(quick: bool = False) -> list[Row]:
+    steps = 12 if quick else 400
+    trace, lengths = build_trace(steps)
+    configs = [("defaults", {}, True), (f"max_split_size_mb={MAX_SPLIT_MB}", {"max_split_size_mb": MAX_SPLIT_MB}, False)]
+    rows = [measure(trace, label, options, target) for label, options, target in configs]
+    for (label, options, _), row in zip(configs, list(rows)):
+        allocated = int(row.peer)
+        capacity, stats = smallest_capacity(trace, options, lo=allocated - 1, hi=DEVICE_BYTES)
+        ratio = capacity / allocated
+        rows.append(Row(
+            benchmark=f"fragmentation: smallest device, {label} (info)", vramkit=float(capacity),
+            vramkit_text=f"{fmt_bytes(capacity)} device", peer_name="ideal", peer=float(allocated),
+            peer_text=f"{fmt_bytes(allocated)} allocated", ratio=ratio, ratio_text=f"{ratio:.3f} device/alloc",
+            target="(info)", met=None, detail={"options": options, "resolution_bytes": CAPACITY_STEP, **stats},
+        ))
+    for row in rows:
+        row.detail.update(steps=steps, seq_len_min=min(lengths), seq_len_max=max(lengths),
+                          seq_len_median=float(np.median(lengths)))
+    return rows
+
+
+if __name__ == "__main__":
+    main_for(run, __doc__.splitlines()[0])

@@ -1,0 +1,83 @@
+"""Smoke test of the benchmark suite: `benchmarks/report.py --quick` runs end to end.
+
+It checks that every benchmark produces figures (positive and finite) and that the
+correctness checks inside the benchmarks pass (NumPy gives equal results with and without
+vramkit's handler, and the handler really was used). It makes NO timing or ratio assertions:
+speed and memory targets are reported by benchmarks/report.py and recorded in
+docs/benchmarks.md, never asserted in tests.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPORT = os.path.join(REPO, "benchmarks", "report.py")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    source = os.path.join(REPO, "python")
+    if glob.glob(os.path.join(source, "vramkit", "_C*.so")):  # built in place: use the source tree
+        env["PYTHONPATH"] = source + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    return env
+
+
+@pytest.fixture(scope="module")
+def quick_report() -> dict:
+    if not os.path.exists(REPORT):
+        pytest.skip("benchmarks/ is not part of this installation")
+    proc = subprocess.run([sys.executable, REPORT, "--quick", "--json"], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"report.py --quick failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout)
+
+
+def test_every_benchmark_reports_rows(quick_report):
+    names = [row["benchmark"] for row in quick_report["rows"]]
+    for prefix in ("alloc:", "numpy:", "fragmentation:"):
+        assert any(n.startswith(prefix) for n in names), f"no {prefix} rows in {names}"
+    assert quick_report["quick"] is True
+    assert quick_report["machine"]["cpu"]
+
+
+def test_every_figure_is_positive_and_finite(quick_report):
+    for row in quick_report["rows"]:
+        for key in ("vramkit", "peer", "ratio"):
+            value = row[key]
+            assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, (row["benchmark"], key, value)
+        assert row["met"] in (True, False, None)
+        assert row["target"]
+
+
+def test_numpy_results_equal_with_and_without_vramkit(quick_report):
+    numpy_rows = [row for row in quick_report["rows"] if row["benchmark"].startswith("numpy:")]
+    assert numpy_rows
+    for row in numpy_rows:
+        assert row["checks"]["results_equal"] is True, row
+        assert row["checks"]["vramkit_pool_used"] is True, row
+
+
+def test_all_correctness_checks_pass(quick_report):
+    failed = [(row["benchmark"], k) for row in quick_report["rows"] for k, ok in row["checks"].items() if not ok]
+    assert not failed
+
+
+def test_markdown_table_renders():
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        from _common import Row, format_table
+    finally:
+        sys.path.pop(0)
+    row = Row("x: y", 1.0, "1 ns", "peer", 2.0, "2 ns", 2.0, "2.00x faster", "<= 1 ns", True)
+    table = format_table([row], markdown=True).splitlines()
+    assert table[0].startswith("| benchmark |") and table[1].startswith("|---")
+    assert "2.00x faster" in table[2] and "yes" in table[2]

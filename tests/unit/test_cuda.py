@@ -1,0 +1,143 @@
+"""CUDA device tests: real cudaMalloc'd segments, real streams and events, interop with
+torch and CuPy. Marked `cuda`; skipped where no GPU is usable."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import vramkit
+from vramkit import _C
+
+pytestmark = pytest.mark.cuda
+MiB = 1 << 20
+
+
+@pytest.fixture
+def gpu():
+    device = "cuda:0"
+    vramkit.empty_cache(device)
+    yield device
+    vramkit.set_memory_limit(None, device)
+    vramkit.synchronize(device)
+    vramkit.pool_check(device)
+    vramkit.empty_cache(device)
+
+
+def test_blocks_never_overlap_on_the_device(gpu):
+    """Stamp every live block with its own seed on the GPU; any overlap corrupts a stamp."""
+    rng = random.Random(3)
+    live = {}
+    for step in range(3000):
+        if live and rng.random() < 0.45:
+            ptr = rng.choice(list(live))
+            nbytes, seed = live.pop(ptr)
+            assert _C._cuda_count_mismatches(ptr, nbytes, seed, 0) == 0
+            vramkit.raw_free(ptr)
+        else:
+            nbytes = 4 * (1 + rng.randrange(1 << rng.randrange(24)) // 4)
+            ptr = vramkit.raw_alloc(nbytes, gpu)
+            _C._cuda_fill_pattern(ptr, nbytes, step, 0)
+            live[ptr] = (nbytes, step)
+        if step % 100 == 0:
+            vramkit.pool_check(gpu)
+    for ptr, (nbytes, seed) in live.items():
+        assert _C._cuda_count_mismatches(ptr, nbytes, seed, 0) == 0
+        vramkit.raw_free(ptr)
+    vramkit.pool_check(gpu)
+
+
+def test_counters_and_device_memory(gpu):
+    free0, total = vramkit.mem_get_info(gpu)
+    assert 0 < free0 <= total
+    p = vramkit.raw_alloc(100 * MiB, gpu)
+    assert vramkit.memory_allocated(gpu) == 100 * MiB and vramkit.memory_reserved(gpu) == 100 * MiB
+    free1, _ = vramkit.mem_get_info(gpu)
+    assert free0 - free1 >= 100 * MiB - 2 * MiB  # cudaMemGetInfo sees the segment
+    vramkit.raw_free(p)
+    assert vramkit.empty_cache(gpu) == 100 * MiB
+    assert "vramkit memory summary, device cuda:0" in vramkit.memory_summary(gpu)
+
+
+def test_oom_message_matches_pytorch_shape(gpu):
+    vramkit.set_memory_limit(64 * MiB, gpu)
+    with pytest.raises(vramkit.OutOfMemoryError) as info:
+        vramkit.raw_alloc(100 * MiB, gpu)
+    msg = str(info.value)
+    assert msg.startswith("CUDA out of memory. Tried to allocate 100.00 MiB. GPU 0 has a total capacity of ")
+    assert "64.00 MiB allowed; Of the allocated memory" in msg and info.value.device == "cuda:0"
+    vramkit.set_memory_limit(None, gpu)
+    _, total = vramkit.mem_get_info(gpu)
+    with pytest.raises(vramkit.OutOfMemoryError):  # more than the card has: cudaMalloc itself fails
+        vramkit.raw_alloc(2 * total, gpu)
+    p = vramkit.raw_alloc(MiB, gpu)  # and the device is still usable
+    vramkit.raw_free(p)
+
+
+def test_buffer_exports_cuda_array_interface_and_dlpack(gpu):
+    import numpy as np
+
+    buf = vramkit.empty((128, 64), dtype=np.float32, device=gpu)
+    cai = buf.__cuda_array_interface__
+    assert cai["version"] == 3 and cai["data"] == (buf.ptr, False) and cai["shape"] == (128, 64)
+    assert cai["typestr"] == "<f4" and buf.__dlpack_device__() == (2, 0)
+    with pytest.raises(TypeError, match="device memory"):
+        memoryview(buf)
+    torch = pytest.importorskip("torch")
+    t = torch.from_dlpack(buf)
+    assert t.is_cuda and t.data_ptr() == buf.ptr and t.shape == (128, 64)
+    t.fill_(3.0)
+    torch.cuda.synchronize()
+    assert float(t.sum()) == 3.0 * 128 * 64
+    before = vramkit.memory_allocated(gpu)
+    del buf
+    assert vramkit.memory_allocated(gpu) == before  # torch still holds it
+    del t
+    assert vramkit.memory_allocated(gpu) == before - 128 * 64 * 4
+
+
+def test_cupy_reads_through_cuda_array_interface(gpu):
+    cupy = pytest.importorskip("cupy")
+    import numpy as np
+
+    buf = vramkit.empty(1000, dtype=np.int32, device=gpu)
+    arr = cupy.asarray(buf)
+    arr[:] = cupy.arange(1000, dtype=cupy.int32)
+    assert arr.data.ptr == buf.ptr and int(arr.sum()) == sum(range(1000))
+
+
+def test_record_stream_waits_for_real_work(gpu):
+    torch = pytest.importorskip("torch")
+    side = torch.cuda.Stream()
+    p = vramkit.raw_alloc(MiB, gpu, stream=0)
+    vramkit.record_stream(p, side)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # keep the side stream busy (~0.1 s)
+    vramkit.raw_free(p)
+    q = vramkit.raw_alloc(MiB, gpu, stream=0)
+    assert q != p  # the side stream may still be using p
+    side.synchronize()
+    vramkit.synchronize(gpu, stream=side)
+    r = vramkit.raw_alloc(MiB, gpu, stream=0)
+    assert r == p
+    vramkit.raw_free(q)
+    vramkit.raw_free(r)
+
+
+@pytest.mark.slow
+def test_cuda_differential(gpu):
+    from allocator_model import AllocatorModel  # tests/stress is on sys.path via conftest
+
+    model = AllocatorModel(gpu, touch_memory=False)
+    rng = random.Random(11)
+    for op in range(20_000):
+        r = rng.random()
+        if r < 0.5 and len(model.live) < 150:
+            model.alloc(1 + rng.randrange(1 << rng.randrange(27)), 0)
+        elif model.live:
+            model.free(rng.choice(list(model.live)), None)
+        model.check(f"op {op}")
+        assert not model.violations, model.violations[:5]
+    model.drain()
+    assert not model.violations
