@@ -33,14 +33,13 @@ import sys
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # no idle BLAS threads competing for 2 cores
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import Row, fmt_ns, interleaved, main_for, median, spread, use_source_tree  # noqa: E402
+from _common import Row, fmt_ns, interleaved, main_for, median, spread, use_source_tree
 
 use_source_tree()
 
-import numpy as np  # noqa: E402
-
-import vramkit  # noqa: E402
-from vramkit import _C  # noqa: E402
+import numpy as np
+import vramkit
+from vramkit import _C
 
 SEED = 1234
 MIN_SIZE, MAX_SIZE = 512, 64 << 20

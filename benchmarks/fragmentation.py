@@ -10,13 +10,14 @@ What it measures
   (allocated counts rounded block sizes, as PyTorch does). The "peer" is the ideal allocator,
   one that reserves exactly its peak allocation (ratio 1.00). The same trace is replayed twice,
   each on its own new sim device: with default settings, and with `max_split_size_mb=128`
-  (the value in vramkit's design notes and PyTorch's documentation example; it is above every
-  per-layer activation of up to 64 MiB here except the 4h-wide MLP tensors and the logits, so
-  those stop being split, which is the situation the option is meant for).
+  (the value in vramkit's design notes and PyTorch's documentation example; here it makes the
+  logits, their fp32 copy and gradient (132 MiB and up, a different size every step), the
+  embedding's state and the MLP activations at full length unsplittable "oversize" blocks,
+  while the other per-layer activations, at most 96 MiB, are split as usual).
 
 The trace (seed 1234; 400 steps, 12 with --quick):
   * model: 24 layers, hidden 2048, 16 heads, vocabulary 50304, context 2048, tied embeddings;
-    about 1.31 G parameters in 24 * 12 + 3 tensors.
+    about 1.31 G parameters in 24 * 12 + 4 tensors.
   * persistent, allocated once before step 1: bf16 weights, fp32 master weights, AdamW
     exp_avg and exp_avg_sq (14 bytes per parameter, about 17 GiB).
   * each step: batch 4, sequence length = longest of 4 log-normal lengths (median 512)
@@ -25,7 +26,8 @@ The trace (seed 1234; 400 steps, 12 with --quick):
       mean/rstd, qkv, flash-attention output and fp32 logsumexp, dropout masks, MLP
       4h-wide pre- and post-GELU, residuals) kept until backward; transient q/k/v copies and
       pre-dropout projections freed at once.
-    - head: bf16 logits kept, fp32 upcast and log-softmax for the loss (fp32 temporary freed).
+    - head: bf16 logits and an fp32 logsumexp kept; the fp32 upcast of the logits for the
+      loss freed at once; in backward an fp32 and a bf16 logits gradient.
     - backward in reverse layer order: each layer's incoming-gradient temporaries, weight
       gradients (bf16, kept until the optimizer step), and its saved activations freed in
       reverse order of creation as autograd releases each node.
@@ -51,13 +53,12 @@ import sys
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import Row, fmt_bytes, main_for, use_source_tree  # noqa: E402
+from _common import Row, fmt_bytes, main_for, use_source_tree
 
 use_source_tree()
 
-import numpy as np  # noqa: E402
-
-import vramkit  # noqa: E402
+import numpy as np
+import vramkit
 
 SEED = 1234
 DEVICE_BYTES = 80 << 30

@@ -41,14 +41,13 @@ import time
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # no idle BLAS threads competing for 2 cores
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import Row, fmt_ns, interleaved, main_for, median, spread, use_source_tree  # noqa: E402
+from _common import Row, fmt_ns, interleaved, main_for, median, spread, use_source_tree
 
 use_source_tree()
 
-import numpy as np  # noqa: E402
-
-import vramkit  # noqa: E402
-import vramkit.numpy as vnp  # noqa: E402
+import numpy as np
+import vramkit
+import vramkit.numpy as vnp
 
 SEED = 1234
 ARRAY_BYTES = 64 << 20

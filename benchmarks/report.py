@@ -31,14 +31,13 @@ import sys
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # no idle BLAS threads competing for the cores
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import Row, format_table, use_source_tree  # noqa: E402
+from _common import Row, format_table, use_source_tree
 
 use_source_tree()
 
 
 def machine() -> dict[str, str]:
     import numpy
-
     import vramkit
 
     cpu = platform.processor() or platform.machine()

@@ -7,10 +7,9 @@
 #include "../util/clock.h"
 #include "../util/error.h"
 
-void vram__trace(vram_pool_t *pool, vram_trace_action_t action, uint64_t addr, uint64_t size,
-                 vram_stream_t stream, uint64_t context, uint64_t device_free) {
+void vram__trace_record(vram_pool_t *pool, vram_trace_action_t action, uint64_t addr, uint64_t size,
+                        vram_stream_t stream, uint64_t context, uint64_t device_free) {
     vram__history_t *h = &pool->history;
-    if (!h->capacity) return;
     vram_trace_entry_t *e = &h->entries[h->written % h->capacity];
     e->action = (uint32_t)action;
     e->addr = addr;

@@ -84,6 +84,47 @@ void vram__index_remove(vram__free_index_t *index, vram__block_t *block) {
     index->count--;
 }
 
+/* Where `block` hangs (the pointer to it) and its in-order neighbours (NULL at the ends). */
+static vram__block_t **locate(vram__free_index_t *index, const vram__block_t *block, vram__block_t **pred,
+                              vram__block_t **succ) {
+    vram__block_t **link = &index->root;
+    *pred = *succ = NULL;
+    while (*link != block) {
+        if (block_less(block, *link)) {
+            *succ = *link;
+            link = &(*link)->left;
+        } else {
+            *pred = *link;
+            link = &(*link)->right;
+        }
+    }
+    if (block->left)
+        for (*pred = block->left; (*pred)->right;) *pred = (*pred)->right;
+    if (block->right)
+        for (*succ = block->right; (*succ)->left;) *succ = (*succ)->left;
+    return link;
+}
+
+void vram__index_replace(vram__free_index_t *index, vram__block_t *old, vram__block_t *fresh) {
+    vram__block_t *pred, *succ;
+    vram__block_t **link = locate(index, old, &pred, &succ);
+    if ((!pred || block_less(pred, fresh)) && (!succ || block_less(fresh, succ))) {
+        /* Same place in key order: take over the node, links and priority included. */
+        fresh->left = old->left;
+        fresh->right = old->right;
+        fresh->priority = old->priority;
+        fresh->in_index = 1;
+        fresh->gc_count_base = index->lookups;
+        *link = fresh;
+    } else {
+        *link = merge(old->left, old->right);
+        index->count--;
+        vram__index_insert(index, fresh);
+    }
+    old->left = old->right = NULL;
+    old->in_index = 0;
+}
+
 vram__block_t *vram__index_lower_bound(const vram__free_index_t *index, vram_stream_t stream, uint64_t size) {
     vram__block_t *best = NULL;
     for (vram__block_t *t = index->root; t;) {

@@ -116,6 +116,10 @@ void vram__free_all_blocks(vram_pool_t *pool);
 /* index.c */
 void vram__index_insert(vram__free_index_t *index, vram__block_t *block);
 void vram__index_remove(vram__free_index_t *index, vram__block_t *block);
+/* Put `fresh` (not in the index) where `old` (in it) was, and take `old` out. When fresh's key
+ * falls between old's neighbours, fresh simply takes over old's node: one descent instead of a
+ * remove and an insert. Splits and merges nearly always qualify. */
+void vram__index_replace(vram__free_index_t *index, vram__block_t *old, vram__block_t *fresh);
 /* Smallest block whose (stream, size, addr) key is >= (stream, size, 0); any stream. */
 vram__block_t *vram__index_lower_bound(const vram__free_index_t *index, vram_stream_t stream, uint64_t size);
 /* Largest block whose key is < (stream, size, addr). */
@@ -124,13 +128,32 @@ vram__block_t *vram__index_before(const vram__free_index_t *index, vram_stream_t
 /* Verify order and heap shape; returns the node count through *count, or a status. */
 vram_status_t vram__index_check(const vram__free_index_t *index, uint64_t *count);
 
-/* stats.c */
-void vram__stat_increase(vram_stat_t *stat, int64_t amount);
-void vram__stat_decrease(vram_stat_t *stat, int64_t amount);
+/* PyTorch's Stat semantics, inline because malloc and free update about ten stats each:
+ * increase raises current, peak and allocated; decrease lowers current and raises freed. */
+static inline void vram__stat_increase(vram_stat_t *stat, int64_t amount) {
+    stat->current += amount;
+    if (stat->current > stat->peak) stat->peak = stat->current;
+    stat->allocated += amount;
+}
+static inline void vram__stat_decrease(vram_stat_t *stat, int64_t amount) {
+    stat->current -= amount;
+    stat->freed += amount;
+}
 /* Apply to the aggregate entry and to the block's pool entry. */
-void vram__stat_array_increase(vram_stat_t *array, int is_small, int64_t amount);
-void vram__stat_array_decrease(vram_stat_t *array, int is_small, int64_t amount);
-void vram__stat_array_change(vram_stat_t *array, int is_small, int64_t delta);
+static inline void vram__stat_array_increase(vram_stat_t *array, int is_small, int64_t amount) {
+    vram__stat_increase(&array[VRAM_STAT_ALL], amount);
+    vram__stat_increase(&array[is_small ? VRAM_STAT_SMALL_POOL : VRAM_STAT_LARGE_POOL], amount);
+}
+static inline void vram__stat_array_decrease(vram_stat_t *array, int is_small, int64_t amount) {
+    vram__stat_decrease(&array[VRAM_STAT_ALL], amount);
+    vram__stat_decrease(&array[is_small ? VRAM_STAT_SMALL_POOL : VRAM_STAT_LARGE_POOL], amount);
+}
+/* A net change applied as one increase or one decrease, as PyTorch does for inactive_split,
+ * so that "Tot Alloc" and "Tot Freed" match its figures. */
+static inline void vram__stat_array_change(vram_stat_t *array, int is_small, int64_t delta) {
+    if (delta > 0) vram__stat_array_increase(array, is_small, delta);
+    else if (delta < 0) vram__stat_array_decrease(array, is_small, -delta);
+}
 
 /* config.c */
 void vram__settings_default(vram_settings_t *settings);
@@ -140,14 +163,20 @@ uint64_t vram__round_size(const vram_settings_t *settings, uint64_t size);
 uint64_t vram__segment_size(uint64_t rounded);
 
 /* history.c (call with the pool lock held) */
-void vram__trace(vram_pool_t *pool, vram_trace_action_t action, uint64_t addr, uint64_t size,
-                 vram_stream_t stream, uint64_t context, uint64_t device_free);
+void vram__trace_record(vram_pool_t *pool, vram_trace_action_t action, uint64_t addr, uint64_t size,
+                        vram_stream_t stream, uint64_t context, uint64_t device_free);
 
 /* events.c (pool lock held) */
 vram_status_t vram__insert_events(vram_pool_t *pool, vram__block_t *block);
 void vram__process_events(vram_pool_t *pool);
 void vram__synchronize_and_free_events(vram_pool_t *pool);
 void vram__free_queues(vram_pool_t *pool);
+
+/* Most pools never record history: test that inline before paying for a call. */
+static inline void vram__trace(vram_pool_t *pool, vram_trace_action_t action, uint64_t addr, uint64_t size,
+                               vram_stream_t stream, uint64_t context, uint64_t device_free) {
+    if (pool->history.capacity) vram__trace_record(pool, action, addr, size, stream, context, device_free);
+}
 
 /* pool.c (pool lock held) */
 void vram__free_block(vram_pool_t *pool, vram__block_t *block, uint64_t context);

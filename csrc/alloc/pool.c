@@ -70,8 +70,8 @@ void vram_pool_destroy(vram_pool_t *pool) {
 
 vram_device_t vram_pool_device(const vram_pool_t *pool) { return pool->device; }
 
-/* PyTorch's get_free_block: best fit on the stream, with the oversize rules. Removes the
- * block from the index and returns it, or NULL. */
+/* PyTorch's get_free_block: best fit on the stream, with the oversize rules. Returns the block,
+ * still in the index (take_block takes it out, or lets its split remainder take its place). */
 static vram__block_t *get_free_block(vram_pool_t *pool, vram__free_index_t *index, vram_stream_t stream,
                                      uint64_t rounded) {
     index->lookups++;
@@ -82,7 +82,6 @@ static vram__block_t *get_free_block(vram_pool_t *pool, vram__free_index_t *inde
     if (rounded < max_split && block->size >= max_split) return NULL;
     /* An oversize request may take a larger block only within the rounding tolerance. */
     if (rounded >= max_split && block->size >= rounded + pool->settings.max_non_split_rounding) return NULL;
-    vram__index_remove(index, block);
     return block;
 }
 
@@ -155,10 +154,12 @@ static int should_split(const vram_pool_t *pool, const vram__block_t *block, uin
     return size < pool->settings.max_split_size && remaining > VRAM_SMALL_SIZE;
 }
 
-/* Hand out `block` (already out of the index), splitting off the unused tail. */
+/* Hand out `block` (in the index if it came from the cache, out of it if it is a new
+ * segment), splitting off the unused tail as a free block. */
 static vram__block_t *take_block(vram_pool_t *pool, vram__block_t *block, uint64_t rounded, uint64_t requested,
                                  uint64_t context) {
     int is_small = block->segment->is_small;
+    vram__free_index_t *index = vram__index_for(pool, is_small);
     int64_t split_count = 0, split_bytes = 0; /* net change of inactive_split */
     if (vram__is_split(block)) {
         split_count--;
@@ -170,14 +171,17 @@ static vram__block_t *take_block(vram_pool_t *pool, vram__block_t *block, uint64
         rest->size = block->size - rounded;
         rest->stream = block->stream;
         rest->segment = block->segment;
+        if (block->in_index) vram__index_replace(index, block, rest); /* before block's key changes */
+        else vram__index_insert(index, rest);
         rest->prev = block;
         rest->next = block->next;
         if (rest->next) rest->next->prev = rest;
         block->next = rest;
         block->size = rounded;
-        vram__index_insert(vram__index_for(pool, is_small), rest);
         split_count++;
         split_bytes += (int64_t)rest->size;
+    } else if (block->in_index) {
+        vram__index_remove(index, block);
     }
     vram__stat_array_change(pool->stats.inactive_split, is_small, split_count);
     vram__stat_array_change(pool->stats.inactive_split_bytes, is_small, split_bytes);
@@ -192,7 +196,7 @@ static vram__block_t *take_block(vram_pool_t *pool, vram__block_t *block, uint64
     vram__stat_array_increase(pool->stats.active_bytes, is_small, (int64_t)block->size);
     vram__stat_array_increase(pool->stats.requested_bytes, is_small, (int64_t)requested);
     if (block->oversize) vram__stat_increase(&pool->stats.oversize_allocations, 1);
-    vram__ptrmap_insert(&pool->live, block->addr, block); /* capacity reserved by the caller */
+    vram__ptrmap_insert_reserved(&pool->live, block->addr, block); /* vram_malloc reserved the slot */
     vram__trace(pool, VRAM_TRACE_ALLOC, block->addr, block->size, block->stream, context, 0);
     return block;
 }
@@ -229,8 +233,9 @@ void vram__free_block(vram_pool_t *pool, vram__block_t *block, uint64_t context)
     vram__trace(pool, VRAM_TRACE_FREE_COMPLETED, block->addr, block->size, block->stream, context, 0);
     int64_t split_count = 0, split_bytes = 0;
     vram__block_t *prev = block->prev, *next = block->next;
-    if (prev && prev->in_index) { /* [prev block] -> [block] */
-        vram__index_remove(index, prev);
+    int merge_prev = prev && prev->in_index, merge_next = next && next->in_index;
+    /* The merged block takes the place in the index of the last neighbour it absorbs. */
+    if (merge_prev) { /* [prev block] -> [block] */
         split_count--;
         split_bytes -= (int64_t)prev->size;
         block->addr = prev->addr;
@@ -238,19 +243,21 @@ void vram__free_block(vram_pool_t *pool, vram__block_t *block, uint64_t context)
         block->prev = prev->prev;
         if (block->prev) block->prev->next = block;
         else block->segment->head = block;
+        if (merge_next) vram__index_remove(index, prev);
+        else vram__index_replace(index, prev, block);
         vram__block_delete(pool, prev);
     }
-    if (next && next->in_index) { /* [block next] -> [block] */
-        vram__index_remove(index, next);
+    if (merge_next) { /* [block next] -> [block] */
         split_count--;
         split_bytes -= (int64_t)next->size;
         block->size += next->size;
         block->next = next->next;
         if (block->next) block->next->prev = block;
+        vram__index_replace(index, next, block);
         vram__block_delete(pool, next);
     }
     block->num_stream_uses = 0;
-    vram__index_insert(index, block);
+    if (!merge_prev && !merge_next) vram__index_insert(index, block);
     if (vram__is_split(block)) {
         split_count++;
         split_bytes += (int64_t)block->size;

@@ -1,38 +1,10 @@
-/* stats.c — PyTorch's Stat semantics: increase raises current, peak and allocated; decrease
- * lowers current and raises freed. Resets follow reset_peak / reset_accumulated. */
+/* stats.c — reading and resetting the counters (their updates are inline in internal.h).
+ * Resets follow torch.cuda.reset_peak_memory_stats / reset_accumulated_memory_stats. */
 #include "internal.h"
 
 #include <string.h>
 
 #include "../util/error.h"
-
-void vram__stat_increase(vram_stat_t *stat, int64_t amount) {
-    stat->current += amount;
-    if (stat->current > stat->peak) stat->peak = stat->current;
-    stat->allocated += amount;
-}
-
-void vram__stat_decrease(vram_stat_t *stat, int64_t amount) {
-    stat->current -= amount;
-    stat->freed += amount;
-}
-
-void vram__stat_array_increase(vram_stat_t *array, int is_small, int64_t amount) {
-    vram__stat_increase(&array[VRAM_STAT_ALL], amount);
-    vram__stat_increase(&array[is_small ? VRAM_STAT_SMALL_POOL : VRAM_STAT_LARGE_POOL], amount);
-}
-
-void vram__stat_array_decrease(vram_stat_t *array, int is_small, int64_t amount) {
-    vram__stat_decrease(&array[VRAM_STAT_ALL], amount);
-    vram__stat_decrease(&array[is_small ? VRAM_STAT_SMALL_POOL : VRAM_STAT_LARGE_POOL], amount);
-}
-
-/* A net change applied as one increase or one decrease, as PyTorch does for inactive_split,
- * so that "Tot Alloc" and "Tot Freed" match its figures. */
-void vram__stat_array_change(vram_stat_t *array, int is_small, int64_t delta) {
-    if (delta > 0) vram__stat_array_increase(array, is_small, delta);
-    else if (delta < 0) vram__stat_array_decrease(array, is_small, -delta);
-}
 
 vram_status_t vram_get_stats(vram_pool_t *pool, vram_stats_t *out) {
     if (!out || out->size < sizeof(vram_stats_t))

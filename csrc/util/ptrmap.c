@@ -58,10 +58,14 @@ int vram__ptrmap_reserve(vram__ptrmap_t *map, size_t count) {
     return 0;
 }
 
-int vram__ptrmap_insert(vram__ptrmap_t *map, uintptr_t key, void *value) {
-    if (vram__ptrmap_reserve(map, map->count + 1) != 0) return -1;
+void vram__ptrmap_insert_reserved(vram__ptrmap_t *map, uintptr_t key, void *value) {
     place(map, key, value);
     map->count++;
+}
+
+int vram__ptrmap_insert(vram__ptrmap_t *map, uintptr_t key, void *value) {
+    if (vram__ptrmap_reserve(map, map->count + 1) != 0) return -1;
+    vram__ptrmap_insert_reserved(map, key, value);
     return 0;
 }
 

@@ -23,6 +23,8 @@ void vram__ptrmap_destroy(vram__ptrmap_t *map);
 int vram__ptrmap_reserve(vram__ptrmap_t *map, size_t count);
 /* 0 on success, -1 if growing the table failed (the map is unchanged). The key must be new. */
 int vram__ptrmap_insert(vram__ptrmap_t *map, uintptr_t key, void *value);
+/* Insert after vram__ptrmap_reserve made room: cannot fail. */
+void vram__ptrmap_insert_reserved(vram__ptrmap_t *map, uintptr_t key, void *value);
 void *vram__ptrmap_get(const vram__ptrmap_t *map, uintptr_t key);
 /* Removes and returns the value, or NULL if the key is absent. */
 void *vram__ptrmap_remove(vram__ptrmap_t *map, uintptr_t key);

@@ -36,7 +36,7 @@ def quick_report() -> dict:
     if not os.path.exists(REPORT):
         pytest.skip("benchmarks/ is not part of this installation")
     proc = subprocess.run([sys.executable, REPORT, "--quick", "--json"], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, f"report.py --quick failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return json.loads(proc.stdout)
 
