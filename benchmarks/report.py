@@ -36,6 +36,23 @@ from _common import Row, format_table, use_source_tree
 use_source_tree()
 
 
+def source_revision() -> str:
+    """The git commit the benchmarked code came from, flagged when csrc/, python/ or setup.py
+    differ from it (the build being measured is then not exactly that commit)."""
+    import subprocess
+
+    from _common import REPO
+
+    try:
+        rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", REPO, "diff", "--quiet", "HEAD", "--", "csrc", "python", "setup.py"],
+                               capture_output=True, check=False, timeout=10).returncode != 0
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return rev + (" + uncommitted changes to csrc/python/setup.py" if dirty else "")
+
+
 def machine() -> dict[str, str]:
     import numpy
     import vramkit
@@ -64,6 +81,7 @@ def machine() -> dict[str, str]:
         "python": platform.python_version(),
         "numpy": numpy.__version__,
         "vramkit": vramkit.__version__,
+        "source": source_revision(),
         "load_1min_at_start": f"{os.getloadavg()[0]:.2f}",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }

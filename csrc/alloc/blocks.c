@@ -32,13 +32,15 @@ vram__block_t *vram__block_new(vram_pool_t *pool) {
     vram__block_t *block = pool->spare_blocks;
     pool->spare_blocks = block->next;
     pool->num_spare--;
-    memset(block, 0, sizeof *block);
+    *block = (vram__block_t){0}; /* field by field, cheaper than memset on this path */
     return block;
 }
 
 void vram__block_delete(vram_pool_t *pool, vram__block_t *block) {
-    free(block->stream_uses);
-    block->stream_uses = NULL;
+    if (block->stream_uses) {
+        free(block->stream_uses);
+        block->stream_uses = NULL;
+    }
     block->next = pool->spare_blocks;
     pool->spare_blocks = block;
     pool->num_spare++;

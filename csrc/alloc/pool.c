@@ -281,11 +281,20 @@ static vram_status_t unknown_pointer(const vram_pool_t *pool, const void *ptr) {
 
 vram_status_t vram_free(vram_pool_t *pool, void *ptr, uint64_t context) {
     if (!ptr) return VRAM_OK;
+    int freed;
+    vram_status_t status = vram_try_free(pool, ptr, context, &freed);
+    return (status == VRAM_OK && !freed) ? unknown_pointer(pool, ptr) : status;
+}
+
+vram_status_t vram_try_free(vram_pool_t *pool, void *ptr, uint64_t context, int *freed) {
+    *freed = ptr != NULL;
+    if (!ptr) return VRAM_OK;
     vram__lock(&pool->lock);
     vram__block_t *block = vram__ptrmap_remove(&pool->live, (uintptr_t)ptr);
     if (!block) {
         vram__unlock(&pool->lock);
-        return unknown_pointer(pool, ptr);
+        *freed = 0;
+        return VRAM_OK;
     }
     int is_small = block->segment->is_small;
     block->allocated = 0;

@@ -12,7 +12,7 @@
 
 #include "../util/error.h"
 
-static vram__mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
+static vram__mutex_t registry_lock = VRAM__MUTEX_INITIALIZER;
 static vram_pool_t *cpu_pool;
 static vram_pool_t **cuda_pools; /* indexed by device, sized on first use */
 static int num_cuda = -1;
@@ -68,7 +68,7 @@ static vram_status_t make_pool(const vram_backend_t *backend, void *ctx, vram_de
 
 static vram_status_t cpu_get(vram_pool_t **out) {
     if (!cpu_pool) {
-        void *ctx;
+        void *ctx = NULL;
         vram_status_t status = vram_backend_cpu_ctx(&ctx);
         if (status == VRAM_OK) status = make_pool(vram_backend_cpu(), ctx, (vram_device_t){VRAM_DEVICE_CPU, 0}, &cpu_pool);
         if (status != VRAM_OK) return status;
@@ -92,7 +92,7 @@ static vram_status_t cuda_get(int index, vram_pool_t **out) {
                           num_cuda, num_cuda == 1 ? "" : "s");
     }
     if (!cuda_pools[index]) {
-        void *ctx;
+        void *ctx = NULL;
         vram_status_t status = vram_backend_cuda_ctx(index, &ctx);
         if (status == VRAM_OK)
             status = make_pool(vram_backend_cuda(), ctx, (vram_device_t){VRAM_DEVICE_CUDA, index}, &cuda_pools[index]);
@@ -127,7 +127,7 @@ vram_status_t vram_device_pool(vram_device_t device, vram_pool_t **out) {
 }
 
 vram_status_t vram_sim_create(uint64_t total_bytes, vram_device_t *out) {
-    void *ctx;
+    void *ctx = NULL;
     vram_status_t status = vram_backend_sim_ctx(total_bytes, &ctx);
     if (status != VRAM_OK) return status;
     vram__lock(&registry_lock);

@@ -154,6 +154,9 @@ VRAM_API VRAM_NODISCARD vram_status_t vram_malloc(vram_pool_t *pool, uint64_t si
 /* Return a pointer from vram_malloc. NULL is a no-op. An unknown or already freed pointer is
  * VRAM_ERR_INVALID_ARG and changes nothing. */
 VRAM_API VRAM_NODISCARD vram_status_t vram_free(vram_pool_t *pool, void *ptr, uint64_t context);
+/* Free `ptr` if this pool owns it: *freed = 1, or *freed = 0 and nothing changes (no error
+ * message is formatted, so probing the likely pool first is cheap). */
+VRAM_API VRAM_NODISCARD vram_status_t vram_try_free(vram_pool_t *pool, void *ptr, uint64_t context, int *freed);
 /* Mark a live block as used on another stream: it is not reused until the work queued on
  * that stream at free time has finished (PyTorch's Tensor.record_stream). */
 VRAM_API VRAM_NODISCARD vram_status_t vram_record_stream(vram_pool_t *pool, void *ptr, vram_stream_t stream);

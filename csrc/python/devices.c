@@ -87,6 +87,15 @@ int vk_pool_from_arg(PyObject *device, vram_pool_t **pool) {
 }
 
 int vk_size_from_arg(PyObject *obj, const char *what, uint64_t *out) {
+    if (PyLong_CheckExact(obj)) { /* the common case, without the __index__ protocol */
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+        if (!overflow && v >= 0 && (uint64_t)v < VRAM_MAX_REQUEST) {
+            *out = (uint64_t)v;
+            return 0;
+        }
+        if (v == -1 && !overflow && PyErr_Occurred()) return -1;
+    }
     if (PyBool_Check(obj) || PyFloat_Check(obj) || !PyIndex_Check(obj)) {
         PyErr_Format(PyExc_TypeError, "%s must be an integer number of bytes, got %.80s", what, Py_TYPE(obj)->tp_name);
         return -1;

@@ -103,10 +103,16 @@ static PyObject *raw_free(PyObject *self, PyObject *arg) {
     (void)self;
     uintptr_t ptr;
     vram_pool_t *pool;
+    int freed = 0;
     if (ptr_from_arg(arg, &ptr) != 0) return NULL;
     if (ptr == 0) Py_RETURN_NONE; /* raw_alloc(0) returned 0 */
-    if (vram_find_pool((void *)ptr, &pool) != VRAM_OK) return vk_raise(VRAM_ERR_INVALID_ARG);
-    vram_status_t status = vram_free(pool, (void *)ptr, vk_capture_context(pool));
+    /* Most memory comes from the default device: try its pool before searching them all. */
+    if (vk_pool_from_arg(Py_None, &pool) != 0) return NULL;
+    vram_status_t status = vram_try_free(pool, (void *)ptr, vk_capture_context(pool), &freed);
+    if (status == VRAM_OK && !freed) {
+        if (vram_find_pool((void *)ptr, &pool) != VRAM_OK) return vk_raise(VRAM_ERR_INVALID_ARG);
+        status = vram_free(pool, (void *)ptr, vk_capture_context(pool));
+    }
     if (status != VRAM_OK) return vk_raise(status);
     Py_RETURN_NONE;
 }
