@@ -51,6 +51,10 @@ static int ptr_from_arg(PyObject *obj, uintptr_t *out) {
 /* Positional-or-keyword arguments from a vectorcall, in `names` order. */
 static int fast_args(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, const char *fn,
                      const char *const *names, int total, int required, PyObject **out) {
+    if (!kwnames && nargs >= required && nargs <= total) { /* positional only: the usual call */
+        for (int i = 0; i < total; i++) out[i] = i < nargs ? args[i] : NULL;
+        return 0;
+    }
     if (nargs > total) {
         PyErr_Format(PyExc_TypeError, "%s() takes at most %d arguments (%zd given)", fn, total, nargs);
         return -1;
@@ -96,7 +100,7 @@ static PyObject *raw_alloc(PyObject *self, PyObject *const *args, Py_ssize_t nar
     void *ptr = NULL;
     vram_status_t status = vram_malloc(pool, nbytes, stream, context, &ptr);
     if (status != VRAM_OK) return vk_raise(status);
-    return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)ptr);
+    return PyLong_FromVoidPtr(ptr);
 }
 
 static PyObject *raw_free(PyObject *self, PyObject *arg) {
