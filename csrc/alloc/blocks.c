@@ -32,7 +32,7 @@ vram__block_t *vram__block_new(vram_pool_t *pool) {
     vram__block_t *block = pool->spare_blocks;
     pool->spare_blocks = block->next;
     pool->num_spare--;
-    *block = (vram__block_t){0}; /* field by field, cheaper than memset on this path */
+    *block = (vram__block_t){0};
     return block;
 }
 

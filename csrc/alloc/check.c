@@ -1,6 +1,6 @@
 /* check.c — vram_pool_check: walk every segment, block, index and counter and compare them.
  * Tests call it after every operation of randomized runs, so it reports the first violation
- * precisely rather than asserting. Cost: O(blocks + pending events + streams). */
+ * precisely rather than asserting. Cost: O(blocks x pending events); pending events are few. */
 #include "internal.h"
 
 #include <stdio.h>

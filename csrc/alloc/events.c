@@ -57,67 +57,77 @@ static vram__stream_queue_t *queue_for(vram_pool_t *pool, vram_stream_t stream) 
     return q;
 }
 
-static int queue_push(vram__stream_queue_t *q, void *event, vram__block_t *block) {
-    if (q->count == q->capacity) {
-        uint64_t cap = q->capacity ? q->capacity * 2 : 16;
-        vram__pending_t *items = malloc(cap * sizeof *items);
-        if (!items) return -1;
-        for (uint64_t i = 0; i < q->count; i++) items[i] = q->items[(q->head + i) % q->capacity];
-        free(q->items);
-        q->items = items;
-        q->capacity = cap;
-        q->head = 0;
-    }
-    q->items[(q->head + q->count) % q->capacity] = (vram__pending_t){event, block};
-    q->count++;
+static int queue_reserve(vram__stream_queue_t *q, uint64_t extra) {
+    if (q->count + extra <= q->capacity) return 0;
+    uint64_t cap = q->capacity ? q->capacity : 16;
+    while (cap < q->count + extra) cap *= 2;
+    vram__pending_t *items = malloc(cap * sizeof *items);
+    if (!items) return -1;
+    for (uint64_t i = 0; i < q->count; i++) items[i] = q->items[(q->head + i) % q->capacity];
+    free(q->items);
+    q->items = items;
+    q->capacity = cap;
+    q->head = 0;
     return 0;
 }
 
-static void event_done(vram_pool_t *pool, vram__pending_t *item) {
-    pool->backend->event_destroy(pool->ctx, item->event);
-    pool->num_pending--;
-    if (--item->block->event_count == 0) vram__free_block(pool, item->block, 0);
+/* Room was reserved by vram__reserve_events. */
+static void queue_push(vram__stream_queue_t *q, void *event, vram__block_t *block) {
+    q->items[(q->head + q->count) % q->capacity] = (vram__pending_t){event, block};
+    q->count++;
 }
 
-vram_status_t vram__insert_events(vram_pool_t *pool, vram__block_t *block) {
-    vram_status_t status = VRAM_OK;
+static vram__pending_t queue_pop(vram__stream_queue_t *q) {
+    vram__pending_t item = q->items[q->head];
+    q->head = (q->head + 1) % q->capacity;
+    q->count--;
+    return item;
+}
+
+vram_status_t vram__reserve_events(vram_pool_t *pool, const vram__block_t *block) {
+    for (uint32_t i = 0; i < block->num_stream_uses; i++) {
+        vram__stream_queue_t *q = queue_for(pool, block->stream_uses[i]);
+        if (!q || queue_reserve(q, 1) != 0)
+            return vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory queueing a stream event");
+    }
+    return VRAM_OK;
+}
+
+void vram__insert_events(vram_pool_t *pool, vram__block_t *block) {
     for (uint32_t i = 0; i < block->num_stream_uses; i++) {
         vram_stream_t stream = block->stream_uses[i];
         void *event = NULL;
-        vram__stream_queue_t *q = queue_for(pool, stream);
-        status = q ? pool->backend->event_record(pool->ctx, stream, &event)
-                   : vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory queueing a stream event");
-        if (status == VRAM_OK && queue_push(q, event, block) != 0) {
-            pool->backend->event_destroy(pool->ctx, event);
-            status = vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory queueing a stream event");
-        }
-        if (status != VRAM_OK) {
-            /* Could not defer: wait for that stream now instead, which is always safe. */
-            vram_status_t sync = pool->backend->synchronize(pool->ctx, stream);
-            if (sync != VRAM_OK) status = sync;
-            continue;
-        }
+        /* If no event can be recorded, queue a NULL one: "synchronize this stream first". The
+         * block is never reused before one of the two has shown the stream's work finished. */
+        if (pool->backend->event_record(pool->ctx, stream, &event) != VRAM_OK) event = NULL;
+        queue_push(queue_for(pool, stream), event, block);
         block->event_count++;
         pool->num_pending++;
     }
     block->num_stream_uses = 0;
-    if (block->event_count == 0) vram__free_block(pool, block, 0);
-    /* The block is consistent either way; report a backend failure but not a fallback. */
-    return status == VRAM_ERR_HOST_MEMORY ? VRAM_OK : status;
+}
+
+/* Has the work behind this entry finished? Waits only for a NULL ("synchronize") entry. */
+static int settled(vram_pool_t *pool, vram_stream_t stream, void *event, int wait) {
+    int done = 0;
+    if (!event) return pool->backend->synchronize(pool->ctx, stream) == VRAM_OK;
+    if (wait) return pool->backend->event_synchronize(pool->ctx, event) == VRAM_OK;
+    return pool->backend->event_query(pool->ctx, event, &done) == VRAM_OK && done;
+}
+
+static void event_done(vram_pool_t *pool, vram__pending_t *item) {
+    if (item->event) pool->backend->event_destroy(pool->ctx, item->event);
+    pool->num_pending--;
+    if (--item->block->event_count == 0) vram__free_block(pool, item->block, 0);
 }
 
 void vram__process_events(vram_pool_t *pool) {
     for (uint64_t i = 0; i < pool->num_queues; i++) {
         vram__stream_queue_t *q = &pool->queues[i];
-        while (q->count) {
-            vram__pending_t *item = &q->items[q->head];
-            int done = 0;
-            /* A failed query counts as unfinished; synchronize settles it later. */
-            if (pool->backend->event_query(pool->ctx, item->event, &done) != VRAM_OK || !done) break;
-            vram__pending_t copy = *item;
-            q->head = (q->head + 1) % q->capacity;
-            q->count--;
-            event_done(pool, &copy);
+        /* A failed query counts as unfinished; a later synchronize settles it. */
+        while (q->count && settled(pool, q->stream, q->items[q->head].event, 0)) {
+            vram__pending_t item = queue_pop(q);
+            event_done(pool, &item);
         }
     }
 }
@@ -126,12 +136,11 @@ void vram__synchronize_and_free_events(vram_pool_t *pool) {
     pool->stats.num_sync_all_streams++;
     for (uint64_t i = 0; i < pool->num_queues; i++) {
         vram__stream_queue_t *q = &pool->queues[i];
-        while (q->count) {
-            vram__pending_t copy = q->items[q->head];
-            q->head = (q->head + 1) % q->capacity;
-            q->count--;
-            (void)pool->backend->event_synchronize(pool->ctx, copy.event);
-            event_done(pool, &copy);
+        /* Entries whose wait fails stay queued, in order: their blocks must not be reused. */
+        for (uint64_t n = q->count; n > 0; n--) {
+            vram__pending_t item = queue_pop(q);
+            if (settled(pool, q->stream, item.event, 1)) event_done(pool, &item);
+            else queue_push(q, item.event, item.block);
         }
     }
 }

@@ -167,7 +167,10 @@ void vram__trace_record(vram_pool_t *pool, vram_trace_action_t action, uint64_t 
                         vram_stream_t stream, uint64_t context, uint64_t device_free);
 
 /* events.c (pool lock held) */
-vram_status_t vram__insert_events(vram_pool_t *pool, vram__block_t *block);
+/* Make room to queue one event per recorded stream use, before anything changes. */
+vram_status_t vram__reserve_events(vram_pool_t *pool, const vram__block_t *block);
+/* Queue the events of a freed block (cannot fail after vram__reserve_events). */
+void vram__insert_events(vram_pool_t *pool, vram__block_t *block);
 void vram__process_events(vram_pool_t *pool);
 void vram__synchronize_and_free_events(vram_pool_t *pool);
 void vram__free_queues(vram_pool_t *pool);

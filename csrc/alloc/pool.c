@@ -296,6 +296,15 @@ vram_status_t vram_try_free(vram_pool_t *pool, void *ptr, uint64_t context, int 
         *freed = 0;
         return VRAM_OK;
     }
+    if (block->num_stream_uses) {
+        vram_status_t status = vram__reserve_events(pool, block);
+        if (status != VRAM_OK) { /* nothing changed: the pointer stays live */
+            vram__ptrmap_insert_reserved(&pool->live, block->addr, block);
+            vram__unlock(&pool->lock);
+            *freed = 0;
+            return status;
+        }
+    }
     int is_small = block->segment->is_small;
     block->allocated = 0;
     vram__stat_array_decrease(pool->stats.allocation, is_small, 1);
@@ -303,11 +312,10 @@ vram_status_t vram_try_free(vram_pool_t *pool, void *ptr, uint64_t context, int 
     if (block->oversize) vram__stat_decrease(&pool->stats.oversize_allocations, 1);
     block->oversize = 0;
     vram__trace(pool, VRAM_TRACE_FREE_REQUESTED, block->addr, block->size, block->stream, context, 0);
-    vram_status_t status = VRAM_OK;
-    if (block->num_stream_uses) status = vram__insert_events(pool, block);
+    if (block->num_stream_uses) vram__insert_events(pool, block);
     else vram__free_block(pool, block, context);
     vram__unlock(&pool->lock);
-    return status;
+    return VRAM_OK;
 }
 
 vram_status_t vram_block_query(vram_pool_t *pool, const void *ptr, vram_block_info_t *out) {

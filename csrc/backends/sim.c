@@ -28,10 +28,14 @@ static vram_status_t sim_segment_alloc(void *ctx, uint64_t size, vram_stream_t s
     sim_ctx_t *s = ctx;
     if (size > s->capacity - s->used) return VRAM_ERR_OOM;
     uint64_t aligned = (size + SIM_ALIGN - 1) / SIM_ALIGN * SIM_ALIGN;
-    uint64_t addr = __atomic_fetch_add(&next_address, aligned, __ATOMIC_RELAXED);
-    if (addr > SIM_END || aligned > SIM_END - addr)
-        return vram__fail(VRAM_ERR_BACKEND, "simulated address range exhausted after %llu bytes of segments",
-                          (unsigned long long)(addr - SIM_BASE));
+    uint64_t addr = __atomic_load_n(&next_address, __ATOMIC_RELAXED);
+    do { /* advance only when the range fits, so a refused request consumes nothing */
+        if (aligned > SIM_END - addr)
+            return vram__fail(VRAM_ERR_BACKEND,
+                              "simulated address range exhausted: %llu bytes of segments drawn, %llu requested",
+                              (unsigned long long)(addr - SIM_BASE), (unsigned long long)size);
+    } while (!__atomic_compare_exchange_n(&next_address, &addr, addr + aligned, 0, __ATOMIC_RELAXED,
+                                          __ATOMIC_RELAXED));
     *out = (uintptr_t)addr;
     s->used += size;
     return VRAM_OK;

@@ -178,7 +178,7 @@ VRAM_API VRAM_NODISCARD vram_status_t vram_block_query(vram_pool_t *pool, const 
 VRAM_API VRAM_NODISCARD vram_status_t vram_empty_cache(vram_pool_t *pool, uint64_t *released);
 VRAM_API VRAM_NODISCARD vram_status_t vram_mem_get_info(vram_pool_t *pool, uint64_t *free_bytes,
                                                         uint64_t *total_bytes);
-/* Cap reserved memory at fraction × total capacity (0 < fraction <= 1; 1 removes the cap). */
+/* Cap reserved memory at fraction × total capacity (0 <= fraction <= 1; 1 removes the cap). */
 VRAM_API VRAM_NODISCARD vram_status_t vram_set_memory_fraction(vram_pool_t *pool, double fraction);
 /* Cap reserved memory at an absolute number of bytes (VRAM_NO_LIMIT removes the cap). */
 #define VRAM_NO_LIMIT UINT64_MAX
@@ -278,7 +278,7 @@ typedef enum vram_trace_action {
     VRAM_TRACE_SEGMENT_ALLOC = 3,
     VRAM_TRACE_SEGMENT_FREE = 4,
     VRAM_TRACE_OOM = 5,
-    VRAM_TRACE_SNAPSHOT = 6,
+    VRAM_TRACE_SNAPSHOT = 6, /* PyTorch's action, not recorded by vramkit yet */
 } vram_trace_action_t;
 
 typedef struct vram_trace_entry {

@@ -38,6 +38,10 @@ static PyObject *bench_pool_pairs(PyObject *self, PyObject *args) {
     const uint64_t *sizes = view.buf;
     Py_ssize_t n = view.len / 8;
     double *ns = calloc((size_t)(passes > 0 ? passes : 1), sizeof *ns);
+    if (!ns) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
     vram_status_t status = VRAM_OK;
     Py_BEGIN_ALLOW_THREADS for (int p = 0; p < passes && status == VRAM_OK; p++) {
         uint64_t start = vram__now_ns();
@@ -67,6 +71,10 @@ static PyObject *bench_malloc_pairs(PyObject *self, PyObject *args) {
     const uint64_t *sizes = view.buf;
     Py_ssize_t n = view.len / 8;
     double *ns = calloc((size_t)(passes > 0 ? passes : 1), sizeof *ns);
+    if (!ns) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS for (int p = 0; p < passes && !failed; p++) {
         uint64_t start = vram__now_ns();

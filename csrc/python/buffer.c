@@ -21,7 +21,6 @@ typedef struct {
     char format[16];  /* struct-module format for the buffer protocol, e.g. "f" */
     char typestr[16]; /* array-interface type string, e.g. "<f4" */
     vk_dl_dtype_t dl_dtype;
-    Py_ssize_t exports;
     PyObject *weakrefs;
 } BufferObject;
 
@@ -78,7 +77,6 @@ static PyObject *empty_buffer(PyObject *mod, PyObject *args) {
     self->device = vram_pool_device(pool);
     self->ndim = (int)ndim;
     self->itemsize = itemsize;
-    self->exports = 0;
     self->weakrefs = NULL;
     strcpy(self->format, format);
     strcpy(self->typestr, typestr);
@@ -132,23 +130,25 @@ static int buffer_getbuffer(BufferObject *self, Py_buffer *view, int flags) {
         view->strides = NULL;
         view->itemsize = 1;
     }
-    self->exports++;
     return 0;
 }
 
-static void buffer_releasebuffer(BufferObject *self, Py_buffer *view) {
-    (void)view;
-    self->exports--;
-}
-
-static PyBufferProcs buffer_procs = {(getbufferproc)buffer_getbuffer, (releasebufferproc)buffer_releasebuffer};
+/* No release hook: a view holds a reference to the Buffer, which keeps the memory alive. */
+static PyBufferProcs buffer_procs = {(getbufferproc)buffer_getbuffer, NULL};
 
 /* ---- attributes ---- */
 
 static PyObject *shape_tuple(const BufferObject *self) {
     PyObject *t = PyTuple_New(self->ndim);
     if (!t) return NULL;
-    for (int i = 0; i < self->ndim; i++) PyTuple_SET_ITEM(t, i, PyLong_FromSsize_t(self->shape[i]));
+    for (int i = 0; i < self->ndim; i++) {
+        PyObject *d = PyLong_FromSsize_t(self->shape[i]);
+        if (!d) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, i, d);
+    }
     return t;
 }
 
@@ -225,6 +225,9 @@ static void delete_versioned(vk_dl_managed_versioned_t *m) {
 }
 
 static void capsule_destructor(PyObject *capsule) {
+    /* A capsule may die while an exception propagates: keep that exception intact. */
+    PyObject *exc_type, *exc_value, *exc_tb;
+    PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
     /* Only an unconsumed capsule still owns its tensor; consumers rename it "used_...". */
     if (PyCapsule_IsValid(capsule, "dltensor")) {
         vk_dl_managed_t *m = PyCapsule_GetPointer(capsule, "dltensor");
@@ -233,7 +236,7 @@ static void capsule_destructor(PyObject *capsule) {
         vk_dl_managed_versioned_t *m = PyCapsule_GetPointer(capsule, "dltensor_versioned");
         m->deleter(m);
     }
-    PyErr_Clear();
+    PyErr_Restore(exc_type, exc_value, exc_tb);
 }
 
 static void fill_tensor(BufferObject *self, dl_context_t *ctx, vk_dl_tensor_t *t) {

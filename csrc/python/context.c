@@ -99,6 +99,12 @@ uint64_t vk_capture_context(vram_pool_t *pool) {
     if (!vram_history_enabled(pool) || !PyGILState_Check()) return 0;
     frame_ref_t frames[MAX_FRAMES];
     uint32_t n = 0;
+    /* Walking frames may create frame objects. With the collector off no finalizer can run in
+     * the middle of this (or of NumPy's allocator, which calls it), and an exception already
+     * being raised is kept as it is. */
+    PyObject *exc_type, *exc_value, *exc_tb;
+    PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+    int gc_was_enabled = PyGC_Disable();
     PyFrameObject *frame = PyEval_GetFrame(); /* borrowed */
     Py_XINCREF(frame);
     while (frame && n < MAX_FRAMES) {
@@ -119,17 +125,23 @@ uint64_t vk_capture_context(vram_pool_t *pool) {
     uint64_t id = intern(frames, n, &took);
     if (!took)
         for (uint32_t i = 0; i < n; i++) Py_DECREF(frames[i].code);
+    if (gc_was_enabled) PyGC_Enable();
+    PyErr_Clear(); /* a failed frame allocation only shortens the stack */
+    PyErr_Restore(exc_type, exc_value, exc_tb);
     return id;
 }
 
 PyObject *vk_context_frames(uint64_t context) {
     if (context == 0 || context > num_stacks) return PyList_New(0);
-    const stack_entry_t *s = &stacks[context - 1];
-    PyObject *list = PyList_New(s->count);
+    /* Copy out first: building the list can run the GC, whose finalizers may intern new stacks
+     * and move `stacks`. An entry's frames array itself never moves. */
+    const uint32_t count = stacks[context - 1].count;
+    const frame_ref_t *refs = stacks[context - 1].frames;
+    PyObject *list = PyList_New(count);
     if (!list) return NULL;
-    for (uint32_t i = 0; i < s->count; i++) {
-        PyCodeObject *code = s->frames[i].code;
-        PyObject *frame = Py_BuildValue("{s:O,s:i,s:O}", "filename", code->co_filename, "line", s->frames[i].line,
+    for (uint32_t i = 0; i < count; i++) {
+        PyCodeObject *code = refs[i].code;
+        PyObject *frame = Py_BuildValue("{s:O,s:i,s:O}", "filename", code->co_filename, "line", refs[i].line,
                                         "name", code->co_name);
         if (!frame) {
             Py_DECREF(list);

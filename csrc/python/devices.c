@@ -41,6 +41,8 @@ static int parse_text(PyObject *text, vram_device_t *out) {
         vk_raise(status);
         return -1;
     }
+    /* As in torch, a bare "cuda" is the current CUDA device: the default one if it is CUDA. */
+    if (!strcmp(s, "cuda") && default_pool && default_device.kind == VRAM_DEVICE_CUDA) *out = default_device;
     return 0;
 }
 

@@ -8,6 +8,9 @@ static PyObject *out_of_memory_error; /* vramkit.OutOfMemoryError */
 static PyObject *oom_exception(void) {
     vram_oom_info_t info;
     vram_last_oom(&info);
+    /* Copy the message first: building the arguments can run finalizers that call vramkit. */
+    char message[1024];
+    snprintf(message, sizeof message, "%s", vram_last_error());
     PyObject *device = vk_device_name((vram_device_t){(vram_device_kind_t)info.device_kind, info.device_index});
     if (!device) return NULL;
     PyObject *allowed = info.allowed == UINT64_MAX ? Py_NewRef(Py_None) : PyLong_FromUnsignedLongLong(info.allowed);
@@ -23,7 +26,7 @@ static PyObject *oom_exception(void) {
     Py_XDECREF(allowed);
     Py_DECREF(device);
     if (!kwargs) return NULL;
-    PyObject *args = Py_BuildValue("(s)", vram_last_error());
+    PyObject *args = Py_BuildValue("(s)", message);
     PyObject *exc = args ? PyObject_Call(out_of_memory_error, args, kwargs) : NULL;
     Py_XDECREF(args);
     Py_DECREF(kwargs);

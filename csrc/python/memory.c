@@ -249,7 +249,14 @@ static PyObject *get_settings(PyObject *self, PyObject *args, PyObject *kwargs) 
     if (status != VRAM_OK) return vk_raise(status);
     PyObject *divisions = PyList_New(16);
     if (!divisions) return NULL;
-    for (int i = 0; i < 16; i++) PyList_SET_ITEM(divisions, i, PyLong_FromUnsignedLong(s.roundup_power2_divisions[i]));
+    for (int i = 0; i < 16; i++) {
+        PyObject *d = PyLong_FromUnsignedLong(s.roundup_power2_divisions[i]);
+        if (!d) {
+            Py_DECREF(divisions);
+            return NULL;
+        }
+        PyList_SET_ITEM(divisions, i, d);
+    }
     return Py_BuildValue("{s:N,s:K,s:N,s:d,s:d,s:N,s:N}", "max_split_size", bytes_or_none(s.max_split_size),
                          "max_non_split_rounding", (unsigned long long)s.max_non_split_rounding,
                          "roundup_power2_divisions", divisions, "garbage_collection_threshold",

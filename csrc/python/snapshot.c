@@ -50,12 +50,17 @@ static PyObject *segment_dict(const vram_snapshot_t *snap, const vram_snapshot_s
         }
         PyList_SET_ITEM(blocks, (Py_ssize_t)i, b);
     }
+    PyObject *frames = PyList_New(0);
+    if (!frames) {
+        Py_DECREF(blocks);
+        return NULL;
+    }
     return Py_BuildValue("{s:i,s:K,s:K,s:K,s:s,s:(ii),s:K,s:K,s:K,s:O,s:N,s:N}", "device", device_index, "address",
                          (unsigned long long)s->address, "total_size", (unsigned long long)s->total_size, "stream",
                          (unsigned long long)s->stream, "segment_type", s->is_small ? "small" : "large",
                          "segment_pool_id", 0, 0, "allocated_size", (unsigned long long)s->allocated_size,
                          "active_size", (unsigned long long)s->active_size, "requested_size",
-                         (unsigned long long)s->requested_size, "is_expandable", Py_False, "frames", PyList_New(0),
+                         (unsigned long long)s->requested_size, "is_expandable", Py_False, "frames", frames,
                          "blocks", blocks);
 }
 
@@ -100,7 +105,11 @@ static PyObject *build(const vram_snapshot_t *snap) {
         PyList_SET_ITEM(trace, (Py_ssize_t)i, t);
     }
     if (!(traces = PyList_New(device_index + 1))) goto done;
-    for (int i = 0; i < device_index; i++) PyList_SET_ITEM(traces, i, PyList_New(0));
+    for (int i = 0; i < device_index; i++) {
+        PyObject *empty = PyList_New(0);
+        if (!empty) goto done;
+        PyList_SET_ITEM(traces, i, empty);
+    }
     PyList_SET_ITEM(traces, device_index, trace);
     trace = NULL;
     PyObject *name = vk_device_name(snap->device);

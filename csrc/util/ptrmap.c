@@ -63,12 +63,6 @@ void vram__ptrmap_insert_reserved(vram__ptrmap_t *map, uintptr_t key, void *valu
     map->count++;
 }
 
-int vram__ptrmap_insert(vram__ptrmap_t *map, uintptr_t key, void *value) {
-    if (vram__ptrmap_reserve(map, map->count + 1) != 0) return -1;
-    vram__ptrmap_insert_reserved(map, key, value);
-    return 0;
-}
-
 void *vram__ptrmap_get(const vram__ptrmap_t *map, uintptr_t key) {
     if (map->capacity == 0 || key == 0) return NULL;
     size_t mask = map->capacity - 1;

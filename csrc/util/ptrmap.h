@@ -21,8 +21,6 @@ void vram__ptrmap_init(vram__ptrmap_t *map);
 void vram__ptrmap_destroy(vram__ptrmap_t *map);
 /* Make room for `count` keys without growing again: 0, or -1 if host memory ran out. */
 int vram__ptrmap_reserve(vram__ptrmap_t *map, size_t count);
-/* 0 on success, -1 if growing the table failed (the map is unchanged). The key must be new. */
-int vram__ptrmap_insert(vram__ptrmap_t *map, uintptr_t key, void *value);
 /* Insert after vram__ptrmap_reserve made room: cannot fail. */
 void vram__ptrmap_insert_reserved(vram__ptrmap_t *map, uintptr_t key, void *value);
 void *vram__ptrmap_get(const vram__ptrmap_t *map, uintptr_t key);

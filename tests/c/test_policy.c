@@ -285,7 +285,51 @@ static void test_record_stream_defers_reuse(void) {
     vram_pool_destroy(pool);
 }
 
+/* A sim backend whose events and stream waits can be made to fail, as a broken CUDA context
+ * would: a block used on another stream must then never be handed out again. */
+static int break_streams;
+static const vram_backend_t *sim_vtable;
+static vram_status_t flaky_record(void *ctx, vram_stream_t stream, void **event) {
+    return break_streams ? VRAM_ERR_BACKEND : sim_vtable->event_record(ctx, stream, event);
+}
+static vram_status_t flaky_synchronize(void *ctx, vram_stream_t stream) {
+    return break_streams ? VRAM_ERR_BACKEND : sim_vtable->synchronize(ctx, stream);
+}
+
+static void test_failed_events_never_release_a_block_early(void) {
+    sim_vtable = vram_backend_sim();
+    static vram_backend_t flaky;
+    flaky = *sim_vtable;
+    flaky.event_record = flaky_record;
+    flaky.synchronize = flaky_synchronize;
+    void *ctx = NULL, *a = NULL, *b = NULL, *c = NULL;
+    vram_pool_t *pool = NULL;
+    CHECK_OK(vram_backend_sim_ctx(GiB, &ctx));
+    CHECK_OK(vram_pool_create(&flaky, ctx, (vram_device_t){VRAM_DEVICE_SIM, 98}, NULL, &pool));
+    CHECK_OK(vram_malloc(pool, 4096, 1, 0, &a));
+    CHECK_OK(vram_record_stream(pool, a, 7));
+    break_streams = 1;
+    CHECK_OK(vram_free(pool, a, 0)); /* the free happened; its wait is queued instead */
+    vram_stats_t s = get_stats(pool);
+    CHECK(s.allocation[VRAM_STAT_ALL].current == 0 && s.active[VRAM_STAT_ALL].current == 1);
+    CHECK_POOL(pool);
+    CHECK_OK(vram_malloc(pool, 4096, 1, 0, &b));
+    CHECK(b != a);
+    uint64_t released = 0;
+    CHECK_OK(vram_empty_cache(pool, &released)); /* the wait still fails: a stays pending */
+    CHECK(get_stats(pool).active[VRAM_STAT_ALL].current == 2);
+    CHECK_POOL(pool);
+    break_streams = 0;
+    CHECK_OK(vram_malloc(pool, 4096, 1, 0, &c)); /* malloc polls: the stream now synchronizes */
+    CHECK(c == a);
+    CHECK_OK(vram_free(pool, b, 0));
+    CHECK_OK(vram_free(pool, c, 0));
+    CHECK_POOL(pool);
+    vram_pool_destroy(pool);
+}
+
 int main(void) {
+    RUN(test_failed_events_never_release_a_block_early);
     RUN(test_oom_message_and_recovery);
     RUN(test_oom_frees_cache_and_retries);
     RUN(test_limits_and_fraction);

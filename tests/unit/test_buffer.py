@@ -122,3 +122,13 @@ def test_bad_shapes_and_dtypes(sim):
     with pytest.raises(ValueError, match="absurd"):
         vramkit.empty((1 << 40, 1 << 30), dtype=np.float64, device=sim)
     assert vramkit.memory_stats(sim) == before
+
+
+def test_dropping_a_capsule_keeps_an_exception_in_flight():
+    b = vramkit.empty(8)
+
+    def consume(*args):
+        return args
+
+    with pytest.raises(ZeroDivisionError):
+        consume(b.__dlpack__(), 1 / 0)  # the capsule dies while the ZeroDivisionError propagates

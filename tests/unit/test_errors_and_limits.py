@@ -210,3 +210,17 @@ def test_raw_free_finds_the_right_simulated_device():
     assert vramkit.memory_allocated(b) == 0 and vramkit.memory_allocated(a) == 1024
     vramkit.raw_free(pa)
     assert vramkit.memory_allocated(a) == 0
+
+
+def test_exhausting_the_simulated_address_range_changes_nothing():
+    huge = vramkit.sim.create((1 << 62) - 1)
+    a = vramkit.raw_alloc(12 * MiB, huge)
+    for _ in range(4):  # more address space than the simulated range has
+        with pytest.raises(vramkit.VramkitError, match="simulated address range exhausted"):
+            vramkit.raw_alloc((1 << 62) - 32 * MiB, huge)
+    b = vramkit.raw_alloc(116 * MiB, huge)
+    c = vramkit.raw_alloc(12 * MiB, huge)
+    assert b >= 1 << 48 and len({a, b, c}) == 3  # refused requests consumed no addresses
+    vramkit.pool_check(huge)
+    for p in (a, b, c):
+        vramkit.raw_free(p)

@@ -159,3 +159,43 @@ def test_hidden_frames_spare_the_bundled_examples(sim, tmp_path):
         del sys.path[:2]
         here = os.path.dirname(vramkit.__file__) + os.sep
         vramkit._C._set_hidden_prefix(here, here + "examples" + os.sep)
+
+
+def test_snapshot_survives_finalizers_that_record_new_stacks(sim):
+    """Building a snapshot's frame lists can run the GC; a finalizer that frees vramkit memory
+    from never-seen code interns new stacks and may move the stack table meanwhile (this once
+    read freed memory: the ASan run in CI catches a regression)."""
+    import gc
+
+    vramkit.record_memory_history(True, device=sim)
+    namespace = {"vramkit": vramkit, "sim": sim}
+    lines = "\n".join("vramkit.raw_free(vramkit.raw_alloc(512, sim))" for _ in range(700))
+    exec(compile(lines, "<many-lines>", "exec"), namespace)  # 700 distinct stacks in the trace
+    finalized, stop = [0], [False]
+
+    class Dropper:
+        def __del__(self):
+            finalized[0] += 1
+            if stop[0] or finalized[0] > 5000:
+                return
+            scope = {"b": vramkit.empty(16, device=sim)}
+            exec(compile("b = None", f"<drop{finalized[0]}>", "exec"), scope)  # freed from a new stack
+            again = Dropper()
+            again.cycle = again  # more garbage for the next collection
+
+    first = Dropper()
+    first.cycle = first
+    del first
+    old = gc.get_threshold()
+    try:
+        gc.set_threshold(1, 1, 1)  # collect at nearly every allocation while the snapshot is built
+        snap = vramkit.memory_snapshot(sim)
+    finally:
+        gc.set_threshold(*old)
+        stop[0] = True
+    gc.collect()
+    allocs = [e for e in snap["device_traces"][-1] if e["action"] == "alloc"]
+    assert finalized[0] > 0 and len(allocs) >= 700
+    assert all(e["frames"][0]["filename"] == "<many-lines>" for e in allocs[:700])
+    assert [e["frames"][0]["line"] for e in allocs[:700]] == list(range(1, 701))
+    vramkit.pool_check(sim)
