@@ -18,12 +18,43 @@ static int sizes_from(PyObject *obj, Py_buffer *view) {
     return 0;
 }
 
-static PyObject *pass_times(const double *ns, int passes) {
-    PyObject *list = PyList_New(passes);
-    if (!list) return NULL;
-    for (int i = 0; i < passes; i++) PyList_SET_ITEM(list, i, PyFloat_FromDouble(ns[i]));
+/* The size sequence and one timing slot per pass, shared by both loops. */
+typedef struct bench_run {
+    Py_buffer view;
+    const uint64_t *sizes;
+    Py_ssize_t n;
+    double *ns;
+    int passes;
+} bench_run_t;
+
+static int bench_begin(bench_run_t *run, PyObject *sizes_obj, int passes) {
+    if (sizes_from(sizes_obj, &run->view) != 0) return -1;
+    run->sizes = run->view.buf;
+    run->n = run->view.len / 8;
+    run->passes = passes > 0 ? passes : 0;
+    run->ns = calloc((size_t)(run->passes ? run->passes : 1), sizeof *run->ns);
+    if (!run->ns) {
+        PyBuffer_Release(&run->view);
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+/* Release the inputs; on success return the per-pass figures as a list. */
+static PyObject *bench_end(bench_run_t *run, int ok) {
+    PyBuffer_Release(&run->view);
+    PyObject *list = ok ? PyList_New(run->passes) : NULL;
+    for (int i = 0; list && i < run->passes; i++) {
+        PyObject *v = PyFloat_FromDouble(run->ns[i]);
+        if (!v) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, i, v);
+    }
+    free(run->ns);
     return list;
 }
+
+static double per_pair(uint64_t start, Py_ssize_t n) { return (double)(vram__now_ns() - start) / (double)(n ? n : 1); }
 
 /* bench_pool_pairs(device, sizes, passes) -> [ns per pair, one per pass] */
 static PyObject *bench_pool_pairs(PyObject *self, PyObject *args) {
@@ -31,33 +62,25 @@ static PyObject *bench_pool_pairs(PyObject *self, PyObject *args) {
     PyObject *device, *sizes_obj;
     int passes;
     vram_pool_t *pool;
-    Py_buffer view;
+    bench_run_t run;
     if (!PyArg_ParseTuple(args, "OOi:bench_pool_pairs", &device, &sizes_obj, &passes) ||
-        vk_pool_from_arg(device, &pool) != 0 || sizes_from(sizes_obj, &view) != 0)
+        vk_pool_from_arg(device, &pool) != 0 || bench_begin(&run, sizes_obj, passes) != 0)
         return NULL;
-    const uint64_t *sizes = view.buf;
-    Py_ssize_t n = view.len / 8;
-    double *ns = calloc((size_t)(passes > 0 ? passes : 1), sizeof *ns);
-    if (!ns) {
-        PyBuffer_Release(&view);
-        return PyErr_NoMemory();
-    }
     vram_status_t status = VRAM_OK;
-    Py_BEGIN_ALLOW_THREADS for (int p = 0; p < passes && status == VRAM_OK; p++) {
+    Py_BEGIN_ALLOW_THREADS for (int p = 0; p < run.passes && status == VRAM_OK; p++) {
         uint64_t start = vram__now_ns();
-        for (Py_ssize_t i = 0; i < n; i++) {
+        for (Py_ssize_t i = 0; i < run.n && status == VRAM_OK; i++) {
             void *ptr;
-            status = vram_malloc(pool, sizes[i], 0, 0, &ptr);
-            if (status != VRAM_OK) break;
-            status = vram_free(pool, ptr, 0);
-            if (status != VRAM_OK) break;
+            status = vram_malloc(pool, run.sizes[i], 0, 0, &ptr);
+            if (status == VRAM_OK) status = vram_free(pool, ptr, 0);
         }
-        ns[p] = (double)(vram__now_ns() - start) / (double)(n ? n : 1);
+        run.ns[p] = per_pair(start, run.n);
     }
-    Py_END_ALLOW_THREADS PyBuffer_Release(&view);
-    PyObject *result = status == VRAM_OK ? pass_times(ns, passes) : vk_raise(status);
-    free(ns);
-    return result;
+    Py_END_ALLOW_THREADS if (status != VRAM_OK) {
+        bench_end(&run, 0);
+        return vk_raise(status);
+    }
+    return bench_end(&run, 1);
 }
 
 /* bench_malloc_pairs(sizes, passes) -> [ns per pair] with glibc malloc/free. */
@@ -65,33 +88,25 @@ static PyObject *bench_malloc_pairs(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *sizes_obj;
     int passes;
-    Py_buffer view;
-    if (!PyArg_ParseTuple(args, "Oi:bench_malloc_pairs", &sizes_obj, &passes) || sizes_from(sizes_obj, &view) != 0)
+    bench_run_t run;
+    if (!PyArg_ParseTuple(args, "Oi:bench_malloc_pairs", &sizes_obj, &passes) ||
+        bench_begin(&run, sizes_obj, passes) != 0)
         return NULL;
-    const uint64_t *sizes = view.buf;
-    Py_ssize_t n = view.len / 8;
-    double *ns = calloc((size_t)(passes > 0 ? passes : 1), sizeof *ns);
-    if (!ns) {
-        PyBuffer_Release(&view);
-        return PyErr_NoMemory();
-    }
     int failed = 0;
-    Py_BEGIN_ALLOW_THREADS for (int p = 0; p < passes && !failed; p++) {
+    Py_BEGIN_ALLOW_THREADS for (int p = 0; p < run.passes && !failed; p++) {
         uint64_t start = vram__now_ns();
-        for (Py_ssize_t i = 0; i < n; i++) {
-            void *volatile ptr = malloc(sizes[i]); /* volatile: keep the pair from being elided */
-            if (!ptr) {
-                failed = 1;
-                break;
-            }
+        for (Py_ssize_t i = 0; i < run.n && !failed; i++) {
+            void *volatile ptr = malloc(run.sizes[i]); /* volatile: keep the pair from being elided */
+            failed = ptr == NULL;
             free(ptr);
         }
-        ns[p] = (double)(vram__now_ns() - start) / (double)(n ? n : 1);
+        run.ns[p] = per_pair(start, run.n);
     }
-    Py_END_ALLOW_THREADS PyBuffer_Release(&view);
-    PyObject *result = failed ? PyErr_NoMemory() : pass_times(ns, passes);
-    free(ns);
-    return result;
+    Py_END_ALLOW_THREADS if (failed) {
+        bench_end(&run, 0);
+        return PyErr_NoMemory();
+    }
+    return bench_end(&run, 1);
 }
 
 static PyMethodDef methods[] = {

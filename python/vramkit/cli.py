@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pickle
 import runpy
 import sys
 import time
@@ -192,6 +191,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     import vramkit
     import vramkit.numpy as vnp
 
+    from .memory import write_snapshot
     from .timeline import write_html
 
     devices = _devices()
@@ -225,8 +225,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         _report(device, snapshot, allocations, wall_s, ns.top)
         snap_path, page_path = _with_suffix(snapshot_path, device), _with_suffix(html_path, device)
         try:
-            with open(snap_path, "wb") as f:
-                pickle.dump(snapshot, f, protocol=4)  # as vramkit.dump_snapshot: the viewer reads protocol <= 4
+            write_snapshot(snapshot, snap_path)
             title = f"vramkit timeline: {os.path.basename(script)} on {device}"
             write_html(page_path, snapshot, title=title, top=max(ns.top, 10))
         except OSError as exc:

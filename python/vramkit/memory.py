@@ -74,15 +74,19 @@ def memory_snapshot(device: DeviceLike = None) -> dict[str, Any]:
     return _C.memory_snapshot(device)
 
 
-def dump_snapshot(path: str = "vramkit-snapshot.pickle", device: DeviceLike = None) -> str:
-    """Pickle memory_snapshot() to `path`; drag the file onto https://pytorch.org/memory_viz.
+def write_snapshot(snapshot: dict[str, Any], path: str) -> str:
+    """Pickle a snapshot dict to `path` in the form pytorch.org/memory_viz loads.
 
     Pickle protocol 4 is used because the viewer's unpickler knows protocols 2 to 4 only.
     """
-    snapshot = memory_snapshot(device)
     with open(path, "wb") as f:
         pickle.dump(snapshot, f, protocol=4)
     return path
+
+
+def dump_snapshot(path: str = "vramkit-snapshot.pickle", device: DeviceLike = None) -> str:
+    """Pickle memory_snapshot() to `path`; drag the file onto https://pytorch.org/memory_viz."""
+    return write_snapshot(memory_snapshot(device), path)
 
 
 def record_memory_history(enabled: Any = True, max_entries: int = 100_000, device: DeviceLike = None) -> None:
