@@ -12,6 +12,9 @@ Benchmarks (each file's docstring says what it measures and against which peer):
   numpy_temporaries.py  NumPy expressions with 64 MiB temporaries, NumPy's allocator vs vramkit's
   fragmentation.py      a synthetic training trace replayed on a sim device: peak reserved /
                         peak allocated, default settings and max_split_size_mb=128
+  amp.py                fused loss-scaling kernels on CPU (unscale + inf/NaN check, + L2 norm) on
+                        64 Mi gradient elements in 200 tensors, against the copy-bandwidth limit,
+                        NumPy and torch's CPU kernel (the CUDA version is benchmarks/gpu/amp.py)
 
 Ratios compare vramkit with a peer measured in the same run, so they carry over between
 machines better than the absolute figures. The exit status is 1 when a correctness check
@@ -89,11 +92,12 @@ def machine() -> dict[str, str]:
 
 def run_all(quick: bool = False) -> list[Row]:
     import alloc
+    import amp
     import fragmentation
     import numpy_temporaries
 
     rows: list[Row] = []
-    for module in (alloc, numpy_temporaries, fragmentation):
+    for module in (alloc, numpy_temporaries, fragmentation, amp):
         rows += module.run(quick=quick)
     return rows
 

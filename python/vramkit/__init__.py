@@ -2,7 +2,8 @@
 
 A caching allocator in C for CUDA memory, host memory and simulated devices, with the
 counters, summaries and snapshots PyTorch users know (memory_allocated, memory_reserved,
-memory_stats, memory_summary, empty_cache, memory snapshots for pytorch.org/memory_viz).
+memory_stats, memory_summary, empty_cache, memory snapshots for pytorch.org/memory_viz), and
+fused loss-scaling kernels with a GradScaler for NumPy, torch and CuPy (vramkit.amp).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from .memory import (
     set_per_process_memory_fraction,
     synchronize,
 )
-from . import sim
+from . import amp, sim
 
 __version__ = _C.__version__
 
@@ -53,7 +54,7 @@ __all__ = [
     "device_count", "dump_snapshot", "empty", "empty_cache", "get_settings", "is_available", "max_memory_allocated",
     "max_memory_reserved", "mem_get_info", "memory_allocated", "memory_reserved", "memory_snapshot", "memory_stats",
     "memory_summary", "pool_check", "raw_alloc", "raw_free", "record_memory_history", "record_stream",
-    "reset_accumulated_memory_stats", "reset_peak_memory_stats", "set_device", "set_memory_limit",
+    "reset_accumulated_memory_stats", "reset_peak_memory_stats", "set_device", "set_memory_limit", "amp",
     "set_per_process_memory_fraction", "sim", "synchronize",
 ]
 

@@ -10,6 +10,7 @@ docs/benchmarks.md, never asserted in tests.
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import math
 import os
@@ -20,6 +21,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REPORT = os.path.join(REPO, "benchmarks", "report.py")
+AMP_BENCH = os.path.join(REPO, "benchmarks", "amp.py")
 
 
 def _env() -> dict[str, str]:
@@ -43,7 +45,7 @@ def quick_report() -> dict:
 
 def test_every_benchmark_reports_rows(quick_report):
     names = [row["benchmark"] for row in quick_report["rows"]]
-    for prefix in ("alloc:", "numpy:", "fragmentation:"):
+    for prefix in ("alloc:", "numpy:", "fragmentation:", "amp:"):
         assert any(n.startswith(prefix) for n in names), f"no {prefix} rows in {names}"
     assert quick_report["quick"] is True
     assert quick_report["machine"]["cpu"]
@@ -81,3 +83,65 @@ def test_markdown_table_renders():
     table = format_table([row], markdown=True).splitlines()
     assert table[0].startswith("| benchmark |") and table[1].startswith("|---")
     assert "2.00x faster" in table[2] and "yes" in table[2]
+
+
+# ---- benchmarks/amp.py: the fused loss-scaling kernels ----------------------------------------
+
+AMP_CHECKS = {"results_equal": True, "inf_nan_found": True, "norm_matches": True}
+
+
+def test_amp_rows_in_report_verified(quick_report):
+    amp_rows = [row for row in quick_report["rows"] if row["benchmark"].startswith("amp:")]
+    assert amp_rows
+    for row in amp_rows:
+        assert row["checks"] == AMP_CHECKS, row["benchmark"]
+
+
+def test_amp_benchmark_quick_prints_expected_rows():
+    """benchmarks/amp.py --quick alone: exit 0 (it asserts vramkit == NumPy == torch bit for bit
+    before timing, so a mismatch is a traceback and a non-zero exit) and every expected row."""
+    if not os.path.exists(AMP_BENCH):
+        pytest.skip("benchmarks/ is not part of this installation")
+    proc = subprocess.run([sys.executable, AMP_BENCH, "--quick"], cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0, f"amp.py --quick failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    out = proc.stdout
+    expected = []
+    for dtype in ("fp32", "fp16"):
+        expected += [f"amp: unscale_ {dtype} vs copy", f"amp: unscale_ {dtype} vs NumPy",
+                     f"amp: unscale_and_norm_ {dtype} vs NumPy", f"amp: unscale_ {dtype}, 1 thread, "]
+    if importlib.util.find_spec("torch") is not None:
+        expected += ["amp: unscale_ fp32 vs torch", "amp: unscale_and_norm_ fp16 vs torch",
+                     "amp: unscale_ bf16 vs copy", "amp: unscale_ bf16 vs torch"]
+    for name in expected:
+        assert name in out, f"no row {name!r} in:\n{out}"
+    assert "GB/s" in out and "FAILED CHECKS" not in out
+
+
+def test_amp_benchmark_refuses_to_time_a_wrong_result(monkeypatch):
+    """The pre-timing check has teeth: one flipped bit in vramkit's output makes verify() raise."""
+    if not os.path.exists(AMP_BENCH):
+        pytest.skip("benchmarks/ is not part of this installation")
+    import numpy as np
+
+    saved_path = list(sys.path)
+    try:  # a private module name: benchmarks/amp.py must not shadow anything called "amp"
+        spec = importlib.util.spec_from_file_location("_vramkit_bench_amp", AMP_BENCH)
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path[:] = saved_path
+    arrays = bench.make_grads(bench.tensor_sizes(20_000, 20), np.dtype(np.float16))
+    checks, rel = bench.verify("fp16", arrays, None)
+    assert checks == AMP_CHECKS and rel <= 1e-5
+
+    real = bench.amp.unscale_
+
+    def one_bit_off(grads, inv):
+        found = real(grads, inv)
+        grads[-1].view(np.uint16)[0] ^= 1
+        return found
+
+    monkeypatch.setattr(bench.amp, "unscale_", one_bit_off)
+    with pytest.raises(AssertionError, match="vramkit != NumPy"):
+        bench.verify("fp16", arrays, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import os
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -36,6 +37,10 @@ def test_bundled_example(tmp_path):
     out = proc.stdout
     assert "vramkit memory summary, device cpu" in out
     assert "loss" in out  # the example's own output
+    # The mixed-precision step: the scaler starts too high on purpose, so it backs off and skips steps.
+    m = re.search(r"mixed precision: loss scale (\S+) -> (\S+), (\d+) of (\d+) steps skipped", out)
+    assert m, out
+    assert float(m.group(2)) < float(m.group(1)) and 0 < int(m.group(3)) < int(m.group(4))
     assert "Peak allocated:" in out and "Peak reserved:" in out
     assert "numpy_pipeline.py:" in out  # allocation sites point into the example
     assert "https://pytorch.org/memory_viz" in out

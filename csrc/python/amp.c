@@ -1,0 +1,316 @@
+/* amp.c — bindings of the loss-scaling kernels. The Python layer (vramkit/amp.py and
+ * vramkit/_arrays.py) turns NumPy arrays, torch tensors, CuPy arrays and vramkit buffers into
+ * (data pointer, numel, dtype code) triples after checking them; this file only converts
+ * those triples and calls C with the GIL released. */
+#include "dlpack.h"
+#include "module.h"
+
+#define STACK_TENSORS 32
+
+/* Fill `out` (count entries) from a sequence of (ptr, numel, dtype) tuples. */
+static int parse_tensors(PyObject *seq, vram_tensor_t *out, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(seq, i);
+        unsigned long long ptr;
+        long long numel;
+        int dtype;
+        if (!PyTuple_Check(t) || !PyArg_ParseTuple(t, "KLi", &ptr, &numel, &dtype)) {
+            if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_TypeError)) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_TypeError, "tensor %zd: expected a (data_ptr, numel, dtype_code) tuple", i);
+            }
+            return -1;
+        }
+        out[i] = (vram_tensor_t){(void *)(uintptr_t)ptr, numel, (vram_dtype_t)dtype};
+    }
+    return 0;
+}
+
+/* A tensor list held for the duration of one call: on the stack when short. */
+typedef struct tensor_list {
+    vram_tensor_t stack[STACK_TENSORS];
+    vram_tensor_t *items;
+    Py_ssize_t count;
+    PyObject *seq;
+} tensor_list_t;
+
+static int list_open(tensor_list_t *l, PyObject *obj) {
+    l->items = l->stack;
+    l->seq = PySequence_Fast(obj, "tensors must be a sequence of (data_ptr, numel, dtype_code) tuples");
+    if (!l->seq) return -1;
+    l->count = PySequence_Fast_GET_SIZE(l->seq);
+    if (l->count > STACK_TENSORS) {
+        l->items = PyMem_New(vram_tensor_t, (size_t)l->count);
+        if (!l->items) {
+            Py_DECREF(l->seq);
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    if (parse_tensors(l->seq, l->items, l->count) < 0) {
+        if (l->items != l->stack) PyMem_Free(l->items);
+        Py_DECREF(l->seq);
+        return -1;
+    }
+    return 0;
+}
+
+static void list_close(tensor_list_t *l) {
+    if (l->items != l->stack) PyMem_Free(l->items);
+    Py_DECREF(l->seq);
+}
+
+/* _C.amp_unscale_check(tensors, inv_scale, want_sumsq) -> (found_inf: bool, sumsq: float | None) */
+static PyObject *amp_unscale_check(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *obj;
+    float inv_scale;
+    int want_sumsq;
+    if (!PyArg_ParseTuple(args, "Ofp:amp_unscale_check", &obj, &inv_scale, &want_sumsq)) return NULL;
+    tensor_list_t l;
+    if (list_open(&l, obj) < 0) return NULL;
+    float found = 0.0f;
+    double sumsq = 0.0;
+    vram_status_t st;
+    Py_BEGIN_ALLOW_THREADS st = vram_amp_unscale_check(l.items, (size_t)l.count, inv_scale, &found,
+                                                        want_sumsq ? &sumsq : NULL);
+    Py_END_ALLOW_THREADS list_close(&l);
+    if (st != VRAM_OK) return vk_raise(st);
+    if (want_sumsq) return Py_BuildValue("(Od)", found != 0.0f ? Py_True : Py_False, sumsq);
+    return Py_BuildValue("(OO)", found != 0.0f ? Py_True : Py_False, Py_None);
+}
+
+/* _C.amp_scale_inplace(tensors, factor) */
+static PyObject *amp_scale_inplace(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *obj;
+    float factor;
+    if (!PyArg_ParseTuple(args, "Of:amp_scale_inplace", &obj, &factor)) return NULL;
+    tensor_list_t l;
+    if (list_open(&l, obj) < 0) return NULL;
+    vram_status_t st;
+    Py_BEGIN_ALLOW_THREADS st = vram_amp_scale_inplace(l.items, (size_t)l.count, factor);
+    Py_END_ALLOW_THREADS list_close(&l);
+    if (st != VRAM_OK) return vk_raise(st);
+    Py_RETURN_NONE;
+}
+
+/* The policy tuple: (growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale). */
+static int parse_policy(PyObject *obj, vram_scale_policy_t *p) {
+    if (!PyArg_ParseTuple(obj, "ddiiff;policy must be (growth_factor, backoff_factor, growth_interval, "
+                               "hysteresis, min_scale, max_scale)",
+                          &p->growth_factor, &p->backoff_factor, &p->growth_interval, &p->hysteresis,
+                          &p->min_scale, &p->max_scale))
+        return -1;
+    return 0;
+}
+
+/* _C.amp_update_scale(scale_ptr, growth_tracker_ptr, hysteresis_tracker_ptr, found_inf_ptr, policy)
+ * Host memory: a float32 scale, int32 trackers (hysteresis_tracker_ptr 0 = none) and a
+ * float32 found_inf, updated in place. */
+static PyObject *amp_update_scale(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long scale, tracker, hyst, found;
+    PyObject *policy_obj;
+    if (!PyArg_ParseTuple(args, "KKKKO!:amp_update_scale", &scale, &tracker, &hyst, &found, &PyTuple_Type,
+                          &policy_obj))
+        return NULL;
+    vram_scale_policy_t policy;
+    if (parse_policy(policy_obj, &policy) < 0) return NULL;
+    if (!found) return PyErr_Format(PyExc_ValueError, "found_inf pointer is 0");
+    float found_inf = *(const float *)(uintptr_t)found;
+    vram_status_t st = vram_amp_update_scale((float *)(uintptr_t)scale, (int32_t *)(uintptr_t)tracker,
+                                             (int32_t *)(uintptr_t)hyst, found_inf, &policy);
+    if (st != VRAM_OK) return vk_raise(st);
+    Py_RETURN_NONE;
+}
+
+/* _C.amp_check_policy(policy): ValueError naming the bad field, else None. */
+static PyObject *amp_check_policy(PyObject *self, PyObject *arg) {
+    (void)self;
+    vram_scale_policy_t policy;
+    if (!PyTuple_Check(arg)) return PyErr_Format(PyExc_TypeError, "policy must be a tuple");
+    if (parse_policy(arg, &policy) < 0) return NULL;
+    vram_status_t st = vram_scale_policy_check(&policy);
+    if (st != VRAM_OK) return vk_raise(st);
+    Py_RETURN_NONE;
+}
+
+/* ---- CUDA: every pointer is device memory on `device`; work is queued on `stream` ---- */
+
+static PyObject *amp_unscale_check_cuda(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *obj;
+    unsigned long long inv, found, sumsq, stream;
+    int device;
+    if (!PyArg_ParseTuple(args, "OKKKKi:amp_unscale_check_cuda", &obj, &inv, &found, &sumsq, &stream, &device))
+        return NULL;
+    tensor_list_t l;
+    if (list_open(&l, obj) < 0) return NULL;
+    vram_status_t st;
+    Py_BEGIN_ALLOW_THREADS st = vram_amp_unscale_check_cuda(l.items, (size_t)l.count, (const float *)(uintptr_t)inv,
+                                                             (float *)(uintptr_t)found, (double *)(uintptr_t)sumsq,
+                                                             (vram_stream_t)stream, device);
+    Py_END_ALLOW_THREADS list_close(&l);
+    if (st != VRAM_OK) return vk_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *amp_scale_inplace_cuda(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *obj;
+    unsigned long long factor, stream;
+    int device;
+    if (!PyArg_ParseTuple(args, "OKKi:amp_scale_inplace_cuda", &obj, &factor, &stream, &device)) return NULL;
+    tensor_list_t l;
+    if (list_open(&l, obj) < 0) return NULL;
+    vram_status_t st;
+    Py_BEGIN_ALLOW_THREADS st = vram_amp_scale_inplace_cuda(l.items, (size_t)l.count, (const float *)(uintptr_t)factor,
+                                                             (vram_stream_t)stream, device);
+    Py_END_ALLOW_THREADS list_close(&l);
+    if (st != VRAM_OK) return vk_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *amp_clip_coef_cuda(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long sumsq, coef, norm, stream;
+    double max_norm;
+    int device;
+    if (!PyArg_ParseTuple(args, "KdKKKi:amp_clip_coef_cuda", &sumsq, &max_norm, &coef, &norm, &stream, &device))
+        return NULL;
+    vram_status_t st = vram_amp_clip_coef_cuda((const double *)(uintptr_t)sumsq, max_norm, (float *)(uintptr_t)coef,
+                                               (float *)(uintptr_t)norm, (vram_stream_t)stream, device);
+    if (st != VRAM_OK) return vk_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *amp_update_scale_cuda(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long scale, tracker, hyst, found, stream;
+    PyObject *policy_obj;
+    int device;
+    if (!PyArg_ParseTuple(args, "KKKKO!Ki:amp_update_scale_cuda", &scale, &tracker, &hyst, &found, &PyTuple_Type,
+                          &policy_obj, &stream, &device))
+        return NULL;
+    vram_scale_policy_t policy;
+    if (parse_policy(policy_obj, &policy) < 0) return NULL;
+    vram_status_t st = vram_amp_update_scale_cuda((float *)(uintptr_t)scale, (int32_t *)(uintptr_t)tracker,
+                                                  (int32_t *)(uintptr_t)hyst, (const float *)(uintptr_t)found,
+                                                  &policy, (vram_stream_t)stream, device);
+    if (st != VRAM_OK) return vk_raise(st);
+    Py_RETURN_NONE;
+}
+
+/* ---- DLPack intake ---- */
+
+/* _C.dlpack_describe(capsule) -> (data_ptr, shape, strides | None, dtype_code, dtype_bits, lanes,
+ * device_type, device_id, readonly). Reads a capsule from obj.__dlpack__() without consuming
+ * it: the producer's deleter still runs when the capsule is released, so the caller keeps
+ * the capsule alive while it uses the pointer. */
+static PyObject *dlpack_describe(PyObject *self, PyObject *capsule) {
+    (void)self;
+    const vk_dl_tensor_t *t = NULL;
+    int readonly = 0;
+    if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
+        vk_dl_managed_versioned_t *m = PyCapsule_GetPointer(capsule, "dltensor_versioned");
+        if (!m) return NULL;
+        if (m->version.major != 1)
+            return PyErr_Format(PyExc_TypeError, "unsupported DLPack version %u.%u (vramkit reads 1.x)",
+                                m->version.major, m->version.minor);
+        t = &m->dl_tensor;
+        readonly = (m->flags & 1u) != 0; /* DLPACK_FLAG_BITMASK_READ_ONLY */
+    } else if (PyCapsule_IsValid(capsule, "dltensor")) {
+        vk_dl_managed_t *m = PyCapsule_GetPointer(capsule, "dltensor");
+        if (!m) return NULL;
+        t = &m->dl_tensor;
+    } else {
+        return PyErr_Format(PyExc_TypeError, "expected an unconsumed DLPack capsule");
+    }
+    if (t->ndim < 0 || t->ndim > 64) return PyErr_Format(PyExc_ValueError, "DLPack tensor has ndim %d", t->ndim);
+    PyObject *shape = PyTuple_New(t->ndim), *strides = NULL;
+    if (!shape) return NULL;
+    for (int i = 0; i < t->ndim; i++) PyTuple_SET_ITEM(shape, i, PyLong_FromLongLong(t->shape[i]));
+    if (t->strides) {
+        strides = PyTuple_New(t->ndim);
+        if (!strides) {
+            Py_DECREF(shape);
+            return NULL;
+        }
+        for (int i = 0; i < t->ndim; i++) PyTuple_SET_ITEM(strides, i, PyLong_FromLongLong(t->strides[i]));
+    } else {
+        strides = Py_NewRef(Py_None);
+    }
+    return Py_BuildValue("(KNNiiiiii)", (unsigned long long)((uintptr_t)t->data + t->byte_offset), shape, strides,
+                         (int)t->dtype.code, (int)t->dtype.bits, (int)t->dtype.lanes, (int)t->device.device_type,
+                         (int)t->device.device_id, readonly);
+}
+
+/* ---- threads and SIMD path ---- */
+
+static PyObject *get_num_threads(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    return PyLong_FromLong(vram_get_num_threads());
+}
+
+static PyObject *set_num_threads(PyObject *self, PyObject *arg) {
+    (void)self;
+    int n = PyLong_Check(arg) ? _PyLong_AsInt(arg) : -1;
+    if (!PyLong_Check(arg)) return PyErr_Format(PyExc_TypeError, "num_threads must be an int, not %.100s", Py_TYPE(arg)->tp_name);
+    if (n == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        n = 0; /* out of int range: let C reject it with the range in the message */
+    }
+    vram_status_t st = vram_set_num_threads(n);
+    if (st != VRAM_OK) return vk_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *simd_path(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    return PyUnicode_FromString(vram_simd_path());
+}
+
+static PyObject *simd_supported(PyObject *self, PyObject *arg) {
+    (void)self;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name) return NULL;
+    return PyBool_FromLong(vram_simd_supported(name));
+}
+
+static PyObject *set_simd_path(PyObject *self, PyObject *arg) {
+    (void)self;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name) return NULL;
+    vram_status_t st = vram_set_simd_path(name);
+    if (st != VRAM_OK) return vk_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"amp_unscale_check", amp_unscale_check, METH_VARARGS,
+     "amp_unscale_check(tensors, inv_scale, want_sumsq) -> (found_inf, sumsq or None)"},
+    {"amp_scale_inplace", amp_scale_inplace, METH_VARARGS, "amp_scale_inplace(tensors, factor)"},
+    {"amp_update_scale", amp_update_scale, METH_VARARGS,
+     "amp_update_scale(scale_ptr, growth_tracker_ptr, hysteresis_tracker_ptr, found_inf_ptr, policy)"},
+    {"amp_check_policy", amp_check_policy, METH_O, "amp_check_policy(policy)"},
+    {"amp_unscale_check_cuda", amp_unscale_check_cuda, METH_VARARGS,
+     "amp_unscale_check_cuda(tensors, inv_scale_ptr, found_inf_ptr, sumsq_ptr, stream, device)"},
+    {"amp_scale_inplace_cuda", amp_scale_inplace_cuda, METH_VARARGS,
+     "amp_scale_inplace_cuda(tensors, factor_ptr, stream, device)"},
+    {"amp_clip_coef_cuda", amp_clip_coef_cuda, METH_VARARGS,
+     "amp_clip_coef_cuda(sumsq_ptr, max_norm, coef_ptr, norm_ptr, stream, device)"},
+    {"amp_update_scale_cuda", amp_update_scale_cuda, METH_VARARGS,
+     "amp_update_scale_cuda(scale_ptr, growth_tracker_ptr, hysteresis_tracker_ptr, found_inf_ptr, policy, stream, "
+     "device)"},
+    {"dlpack_describe", dlpack_describe, METH_O,
+     "dlpack_describe(capsule) -> (ptr, shape, strides, code, bits, lanes, device_type, device_id, readonly)"},
+    {"get_num_threads", get_num_threads, METH_NOARGS, "get_num_threads() -> int"},
+    {"set_num_threads", set_num_threads, METH_O, "set_num_threads(n)"},
+    {"simd_path", simd_path, METH_NOARGS, "simd_path() -> 'avx512' | 'avx2' | 'portable'"},
+    {"simd_supported", simd_supported, METH_O, "simd_supported(name) -> bool"},
+    {"set_simd_path", set_simd_path, METH_O, "set_simd_path(name)"},
+    {NULL, NULL, 0, NULL},
+};
+
+int vk_amp_init(PyObject *module) { return vk_add_methods(module, methods); }
