@@ -26,10 +26,15 @@ TARGET static inline __m256i nonfinite32(__m256 y) {
 /* Round eight float32 to bfloat16 (nearest even, NaN quieted) and pack them in order. */
 TARGET static inline __m128i to_bf16(__m256 y) {
     __m256i bits = _mm256_castps_si256(y);
+    /* With a power-of-two inv_scale (GradScaler's usual case) the products of bfloat16 values
+     * are exact, so their low halves are zero and rounding would change nothing: skip it. */
+    if (_mm256_testz_si256(bits, _mm256_set1_epi32(0xFFFF))) {
+        __m256i out = _mm256_srli_epi32(bits, 16);
+        return _mm_packus_epi32(_mm256_castsi256_si128(out), _mm256_extracti128_si256(out, 1));
+    }
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
     __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
-    __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)),
-                                        _mm256_set1_epi32(0x7F800000));
+    __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q)); /* one compare, no mask */
     __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000));
     __m256i out = _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, is_nan), 16);
     return _mm_packus_epi32(_mm256_castsi256_si128(out), _mm256_extracti128_si256(out, 1));
@@ -58,7 +63,8 @@ TARGET static int check16(const uint16_t *x, int64_t n, int exp_mask) {
     return found;
 }
 
-TARGET static int span_f32(void *data, int64_t n, float factor, int write, double *sumsq) {
+TARGET static inline __attribute__((always_inline)) int span_f32_impl(void *data, int64_t n, float factor,
+                                                                   int write, double *sumsq) {
     float *x = (float *)data;
     const __m256 f = _mm256_set1_ps(factor);
     __m256i bad = _mm256_setzero_si256();
@@ -84,10 +90,30 @@ TARGET static int span_f32(void *data, int64_t n, float factor, int write, doubl
     return found;
 }
 
+TARGET static int span_f32(void *data, int64_t n, float factor, int write, double *sumsq) {
+    if (!write) return span_f32_impl(data, n, factor, 0, sumsq);
+    return sumsq ? span_f32_impl(data, n, factor, 1, sumsq) : span_f32_impl(data, n, factor, 1, NULL);
+}
+
 /* The 16-bit spans share one body: CONVERT_IN widens eight raw elements, CONVERT_OUT rounds
- * back, EXP is the exponent mask of the storage type. */
+ * back, EXP is the exponent mask of the storage type. Two accumulators alternate so the
+ * sum of squares is not limited by the latency of one chain of adds. */
 #define DEFINE_SPAN16(NAME, DTYPE, CONVERT_IN, CONVERT_OUT, EXP)                                    \
-    TARGET static int NAME(void *data, int64_t n, float factor, int write, double *sumsq) {          \
+    TARGET static inline __attribute__((always_inline)) void NAME##_step(                          \
+        uint16_t *p, __m256 f, int write, int sum, __m128i *bad, __m256 *acc) {                     \
+        __m128i h = _mm_loadu_si128((const __m128i *)p);                                           \
+        if (write) {                                                                                 \
+            h = CONVERT_OUT(_mm256_mul_ps(CONVERT_IN(h), f));                                        \
+            _mm_storeu_si128((__m128i *)p, h);                                                       \
+        }                                                                                            \
+        *bad = _mm_or_si128(*bad, nonfinite16(h, EXP));                                              \
+        if (sum) {                                                                                   \
+            __m256 y = CONVERT_IN(h);                                                                \
+            *acc = _mm256_add_ps(*acc, _mm256_mul_ps(y, y));                                         \
+        }                                                                                            \
+    }                                                                                                \
+    TARGET static inline __attribute__((always_inline)) int NAME##_impl(void *data, int64_t n, float factor,   \
+                                                                     int write, double *sumsq) {     \
         uint16_t *x = (uint16_t *)data;                                                              \
         if (!write && !sumsq) return check16(x, n, EXP);                                             \
         const __m256 f = _mm256_set1_ps(factor);                                                     \
@@ -96,25 +122,26 @@ TARGET static int span_f32(void *data, int64_t n, float factor, int write, doubl
         int64_t nv = n & ~(int64_t)7, i = 0;                                                         \
         while (i < nv) {                                                                             \
             int64_t end = nv - i < VRAM_AMP_TILE ? nv : i + VRAM_AMP_TILE;                           \
-            __m256 acc = _mm256_setzero_ps();                                                        \
-            for (; i < end; i += 8) {                                                                \
-                __m128i h = _mm_loadu_si128((const __m128i *)(x + i));                               \
-                if (write) {                                                                         \
-                    h = CONVERT_OUT(_mm256_mul_ps(CONVERT_IN(h), f));                                \
-                    _mm_storeu_si128((__m128i *)(x + i), h);                                         \
-                }                                                                                    \
-                bad = _mm_or_si128(bad, nonfinite16(h, EXP));                                        \
-                if (sumsq) {                                                                         \
-                    __m256 y = CONVERT_IN(h);                                                        \
-                    acc = _mm256_add_ps(acc, _mm256_mul_ps(y, y));                                   \
-                }                                                                                    \
+            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                           \
+            for (; i + 16 <= end; i += 16) {                                                         \
+                NAME##_step(x + i, f, write, sumsq != NULL, &bad, &acc0);                            \
+                NAME##_step(x + i + 8, f, write, sumsq != NULL, &bad, &acc1);                        \
             }                                                                                        \
-            if (sumsq) total += hsum_ps(acc);                                                        \
+            if (i < end) {                                                                           \
+                NAME##_step(x + i, f, write, sumsq != NULL, &bad, &acc0);                            \
+                i += 8;                                                                              \
+            }                                                                                        \
+            if (sumsq) total += hsum_ps(_mm256_add_ps(acc0, acc1));                                  \
         }                                                                                            \
         int found = !_mm_testz_si128(bad, bad);                                                      \
         found |= vram__amp_portable.span[DTYPE](x + nv, n - nv, factor, write, sumsq ? &total : NULL); \
         if (sumsq) *sumsq += total;                                                                  \
         return found;                                                                                \
+    }                                                                                                \
+    /* Specialised copies (write and sum fixed), so the inner loop carries no branches. */          \
+    TARGET static int NAME(void *data, int64_t n, float factor, int write, double *sumsq) {          \
+        if (!write) return NAME##_impl(data, n, factor, 0, sumsq);                                   \
+        return sumsq ? NAME##_impl(data, n, factor, 1, sumsq) : NAME##_impl(data, n, factor, 1, NULL); \
     }
 
 #define F16_IN(h) _mm256_cvtph_ps(h)
@@ -122,7 +149,8 @@ TARGET static int span_f32(void *data, int64_t n, float factor, int write, doubl
 DEFINE_SPAN16(span_f16, VRAM_FLOAT16, F16_IN, F16_OUT, 0x7C00)
 DEFINE_SPAN16(span_bf16, VRAM_BFLOAT16, from_bf16, to_bf16, 0x7F80)
 
-TARGET static int span_f64(void *data, int64_t n, float factor, int write, double *sumsq) {
+TARGET static inline __attribute__((always_inline)) int span_f64_impl(void *data, int64_t n, float factor,
+                                                                   int write, double *sumsq) {
     double *x = (double *)data;
     const __m256d f = _mm256_set1_pd((double)factor);
     const __m256i exp = _mm256_set1_epi64x(0x7FF0000000000000ll);
@@ -147,6 +175,11 @@ TARGET static int span_f64(void *data, int64_t n, float factor, int write, doubl
     found |= vram__amp_portable.span[VRAM_FLOAT64](x + nv, n - nv, factor, write, sumsq ? &total : NULL);
     if (sumsq) *sumsq += total;
     return found;
+}
+
+TARGET static int span_f64(void *data, int64_t n, float factor, int write, double *sumsq) {
+    if (!write) return span_f64_impl(data, n, factor, 0, sumsq);
+    return sumsq ? span_f64_impl(data, n, factor, 1, sumsq) : span_f64_impl(data, n, factor, 1, NULL);
 }
 
 static int supported(void) {

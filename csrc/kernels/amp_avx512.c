@@ -27,10 +27,12 @@ TARGET static inline __mmask16 nonfinite32(__m512 y) {
 /* Round sixteen float32 to bfloat16 (nearest even, NaN quieted) and pack them in order. */
 TARGET static inline __m256i to_bf16(__m512 y) {
     __m512i bits = _mm512_castps_si512(y);
+    /* Exact products (a power-of-two inv_scale) have zero low halves: no rounding needed. */
+    if (_mm512_test_epi32_mask(bits, _mm512_set1_epi32(0xFFFF)) == 0)
+        return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-    __mmask16 is_nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
-                                               _mm512_set1_epi32(0x7F800000));
+    __mmask16 is_nan = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
     __m512i quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x00400000));
     __m512i out = _mm512_srli_epi32(_mm512_mask_blend_epi32(is_nan, rounded, quiet), 16);
     return _mm512_cvtepi32_epi16(out); /* values fit in 16 bits: plain truncation */
@@ -45,7 +47,8 @@ TARGET static inline __m256i nonfinite16(__m256i h, int exp_mask) {
     return _mm256_cmpeq_epi16(_mm256_and_si256(h, exp), exp);
 }
 
-TARGET static int span_f32(void *data, int64_t n, float factor, int write, double *sumsq) {
+TARGET static inline __attribute__((always_inline)) int span_f32_impl(void *data, int64_t n, float factor,
+                                                                   int write, double *sumsq) {
     float *x = (float *)data;
     const __m512 f = _mm512_set1_ps(factor);
     __mmask16 bad = 0;
@@ -71,10 +74,16 @@ TARGET static int span_f32(void *data, int64_t n, float factor, int write, doubl
     return found;
 }
 
+TARGET static int span_f32(void *data, int64_t n, float factor, int write, double *sumsq) {
+    if (!write) return span_f32_impl(data, n, factor, 0, sumsq);
+    return sumsq ? span_f32_impl(data, n, factor, 1, sumsq) : span_f32_impl(data, n, factor, 1, NULL);
+}
+
 /* The 16-bit spans share one body: CONVERT_IN widens sixteen raw elements, CONVERT_OUT
  * rounds back, EXP is the exponent mask of the storage type. */
 #define DEFINE_SPAN16(NAME, DTYPE, CONVERT_IN, CONVERT_OUT, EXP)                                   \
-    TARGET static int NAME(void *data, int64_t n, float factor, int write, double *sumsq) {         \
+    TARGET static inline __attribute__((always_inline)) int NAME##_impl(void *data, int64_t n, float factor,   \
+                                                                     int write, double *sumsq) {         \
         uint16_t *x = (uint16_t *)data;                                                             \
         const __m512 f = _mm512_set1_ps(factor);                                                    \
         __m256i bad = _mm256_setzero_si256();                                                       \
@@ -100,7 +109,12 @@ TARGET static int span_f32(void *data, int64_t n, float factor, int write, doubl
         int found = !_mm256_testz_si256(bad, bad);                                                  \
         found |= vram__amp_portable.span[DTYPE](x + nv, n - nv, factor, write, sumsq ? &total : NULL); \
         if (sumsq) *sumsq += total;                                                                 \
-        return found;                                                                               \
+        return found;                                                                                   \
+    }                                                                                                   \
+    /* Specialised copies (write and sum fixed), so the inner loop carries no branches. */             \
+    TARGET static int NAME(void *data, int64_t n, float factor, int write, double *sumsq) {            \
+        if (!write) return NAME##_impl(data, n, factor, 0, sumsq);                                           \
+        return sumsq ? NAME##_impl(data, n, factor, 1, sumsq) : NAME##_impl(data, n, factor, 1, NULL);   \
     }
 
 #define F16_IN(h) _mm512_cvtph_ps(h)
@@ -108,7 +122,8 @@ TARGET static int span_f32(void *data, int64_t n, float factor, int write, doubl
 DEFINE_SPAN16(span_f16, VRAM_FLOAT16, F16_IN, F16_OUT, 0x7C00)
 DEFINE_SPAN16(span_bf16, VRAM_BFLOAT16, from_bf16, to_bf16, 0x7F80)
 
-TARGET static int span_f64(void *data, int64_t n, float factor, int write, double *sumsq) {
+TARGET static inline __attribute__((always_inline)) int span_f64_impl(void *data, int64_t n, float factor,
+                                                                   int write, double *sumsq) {
     double *x = (double *)data;
     const __m512d f = _mm512_set1_pd((double)factor);
     const __m512i exp = _mm512_set1_epi64(0x7FF0000000000000ll);
@@ -134,6 +149,11 @@ TARGET static int span_f64(void *data, int64_t n, float factor, int write, doubl
     found |= vram__amp_portable.span[VRAM_FLOAT64](x + nv, n - nv, factor, write, sumsq ? &total : NULL);
     if (sumsq) *sumsq += total;
     return found;
+}
+
+TARGET static int span_f64(void *data, int64_t n, float factor, int write, double *sumsq) {
+    if (!write) return span_f64_impl(data, n, factor, 0, sumsq);
+    return sumsq ? span_f64_impl(data, n, factor, 1, sumsq) : span_f64_impl(data, n, factor, 1, NULL);
 }
 
 static int supported(void) {
