@@ -76,13 +76,13 @@ if CUDA_HOME:
 
 ext = Extension(
     "vramkit._C",
-    sources=sources("util/*.c", "alloc/*.c", "backends/*.c", "kernels/*.c", "python/*.c"),
+    sources=sources("util/*.c", "alloc/*.c", "backends/*.c", "kernels/*.c", "checkpoint/*.c", "python/*.c"),
     include_dirs=["csrc/include", numpy.get_include()] + ([os.path.join(CUDA_HOME, "include")] if CUDA_HOME else []),
     define_macros=define_macros,
     extra_compile_args=compile_args,
     extra_link_args=link_args,
     extra_objects=extra_objects,
-    depends=sources("include/*.h", "util/*.h", "alloc/*.h", "backends/*.h", "python/*.h", "kernels/*.h"),
+    depends=sources("include/*.h", "util/*.h", "alloc/*.h", "backends/*.h", "python/*.h", "kernels/*.h", "checkpoint/*.h"),
 )
 
 

@@ -26,6 +26,7 @@ const char *vram_status_name(vram_status_t status) {
     case VRAM_ERR_UNAVAILABLE: return "VRAM_ERR_UNAVAILABLE";
     case VRAM_ERR_CORRUPT: return "VRAM_ERR_CORRUPT";
     case VRAM_ERR_HOST_MEMORY: return "VRAM_ERR_HOST_MEMORY";
+    case VRAM_ERR_INFEASIBLE: return "VRAM_ERR_INFEASIBLE";
     }
     return "VRAM_ERR_UNKNOWN";
 }

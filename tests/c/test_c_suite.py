@@ -14,7 +14,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-CORE = sorted(glob.glob(os.path.join(REPO, "csrc", d, "*.c")) for d in ("util", "alloc", "backends", "kernels"))
+CORE = sorted(glob.glob(os.path.join(REPO, "csrc", d, "*.c")) for d in ("util", "alloc", "backends", "kernels", "checkpoint"))
 CORE = sorted(p for group in CORE for p in group)
 TESTS = sorted(os.path.basename(p)[:-2] for p in glob.glob(os.path.join(HERE, "test_*.c")))
 CC = os.environ.get("CC", "gcc")
@@ -47,7 +47,7 @@ def test_cuda_backend_links_and_degrades_without_a_driver(tmp_path):
     core = [p for p in CORE if os.path.basename(p) != "amp_cuda_api.c"]
     cmd = [CC, *BASE_FLAGS, "-O1", "-DVRAMKIT_WITH_CUDA", "-I" + os.path.join(root, "include"), *core,
            os.path.join(HERE, "test_api.c"), "-o", exe, os.path.join(root, "lib64", "libcudart_static.a"),
-           "-lrt", "-ldl", "-lpthread", "-lstdc++"]
+           "-lrt", "-ldl", "-lpthread", "-lstdc++", "-lm"]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     out = run(exe)
@@ -56,7 +56,7 @@ def test_cuda_backend_links_and_degrades_without_a_driver(tmp_path):
 
 def build(tmp_path, test: str, flags: list[str]) -> str:
     exe = str(tmp_path / test)
-    cmd = [CC, *BASE_FLAGS, *flags, *CORE, os.path.join(HERE, test + ".c"), "-o", exe, "-lpthread"]
+    cmd = [CC, *BASE_FLAGS, *flags, *CORE, os.path.join(HERE, test + ".c"), "-o", exe, "-lpthread", "-lm"]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, f"compiling {test} failed:\n{result.stderr}"
     return exe
