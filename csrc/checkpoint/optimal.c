@@ -30,45 +30,51 @@ static inline size_t cell(const table_t *t, size_t i, size_t l, int64_t m) {
     return ((l * (l + 1)) / 2 + i) * (t->M + 1) + (size_t)m;
 }
 
-static inline double OPT(const table_t *t, size_t i, size_t l, int64_t m) {
-    return m < 0 ? INFINITY : t->opt[cell(t, i, l, m)];
-}
-
+/* Each (i, l) row is filled for all m at once, option by option: for a fixed j the two table
+ * rows it reads are walked in m order, so the inner loop streams through memory (and
+ * vectorises) instead of jumping between rows for every m. */
 static void fill(table_t *t) {
     const int64_t M = (int64_t)t->M;
+    const int64_t *a = t->a;
     for (size_t d = 0; d <= t->L; d++)
         for (size_t i = 0; i + d <= t->L; i++) {
             size_t l = i + d;
-            const int64_t *a = t->a;
+            double *best = &t->opt[cell(t, i, l, 0)];
+            int16_t *what = &t->what[cell(t, i, l, 0)];
+            for (int64_t m = 0; m <= M; m++) best[m] = INFINITY, what[m] = WHAT_NONE;
             int64_t bwd_need = a[i + 1] + t->tape[i] + a[i] + t->bt[i];
-            for (int64_t m = 0; m <= M; m++) {
-                double best = INFINITY;
-                int16_t what = WHAT_NONE;
-                if (d == 0) {
-                    int64_t fwd_need = 2 * a[i + 1] + t->tape[i] + t->ft[i];
-                    if (m >= fwd_need && m >= bwd_need) best = t->f[i] + t->b[i], what = WHAT_CHAIN;
-                } else {
-                    /* (b) chain */
-                    int64_t rest = m - t->tape[i] - a[i + 1];
-                    if (m >= a[l + 1] + a[i + 1] + t->tape[i] + t->ft[i] && m >= bwd_need && rest >= 0) {
-                        double v = t->f[i] + OPT(t, i + 1, l, rest) + t->b[i];
-                        if (v < best) best = v, what = WHAT_CHAIN;
-                    }
-                    /* (a) checkpoint at j: the forward phase must fit first */
-                    int64_t phase = a[l + 1] + a[i + 1] + t->ft[i];
-                    double sumf = t->f[i];
-                    for (size_t j = i + 1; j <= l && m >= phase; j++) {
-                        if (m >= a[j]) {
-                            double v = sumf + OPT(t, j, l, m - a[j]) + OPT(t, i, j - 1, m);
-                            if (v < best) best = v, what = (int16_t)j;
-                        }
-                        int64_t step = a[l + 1] + a[j] + a[j + 1] + t->ft[j];
-                        if (step > phase) phase = step;
-                        sumf += t->f[j];
-                    }
+            if (d == 0) {
+                int64_t need = 2 * a[i + 1] + t->tape[i] + t->ft[i];
+                if (bwd_need > need) need = bwd_need;
+                for (int64_t m = need; m <= M; m++) best[m] = t->f[i] + t->b[i], what[m] = WHAT_CHAIN;
+                continue;
+            }
+            /* (b) chain: forward i keeping everything, solve [i+1..l], backward i */
+            int64_t keep = t->tape[i] + a[i + 1];
+            int64_t from = a[l + 1] + keep + t->ft[i];
+            if (bwd_need > from) from = bwd_need;
+            if (keep > from) from = keep;
+            const double *sub = &t->opt[cell(t, i + 1, l, 0)];
+            double fb = t->f[i] + t->b[i];
+            for (int64_t m = from; m <= M; m++) {
+                double v = fb + sub[m - keep];
+                if (v < best[m]) best[m] = v, what[m] = WHAT_CHAIN;
+            }
+            /* (a) checkpoint at j: forward i..j-1 without saving, keep x_j */
+            int64_t phase = a[l + 1] + a[i + 1] + t->ft[i];
+            double sumf = t->f[i];
+            for (size_t j = i + 1; j <= l; j++) {
+                int64_t lo = phase > a[j] ? phase : a[j];
+                const double *right = &t->opt[cell(t, j, l, 0)];    /* [j..l] in m - a_j */
+                const double *left = &t->opt[cell(t, i, j - 1, 0)]; /* [i..j-1] in m */
+                int64_t aj = a[j];
+                for (int64_t m = lo; m <= M; m++) {
+                    double v = sumf + right[m - aj] + left[m];
+                    if (v < best[m]) best[m] = v, what[m] = (int16_t)j;
                 }
-                t->opt[cell(t, i, l, m)] = best;
-                t->what[cell(t, i, l, m)] = what;
+                int64_t step = a[l + 1] + a[j] + a[j + 1] + t->ft[j];
+                if (step > phase) phase = step;
+                sumf += t->f[j];
             }
         }
 }
