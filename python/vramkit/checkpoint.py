@@ -180,3 +180,14 @@ def min_budget(stages: Sequence[Stage], output_bytes: int | None = None) -> int:
     """The least budget (bytes) any schedule needs; ``plan`` succeeds at exactly this budget."""
     tuples = _stage_tuples(stages)
     return _C.ckpt_min_budget(tuples, _output_bytes(tuples, output_bytes))
+
+
+_TORCH_NAMES = ("profile", "checkpoint_sequential", "Sequential")
+
+
+def __getattr__(name: str) -> Any:
+    """``profile``, ``checkpoint_sequential`` and ``Sequential`` load torch on first use."""
+    if name in _TORCH_NAMES:
+        from . import _ckpt_torch
+        return getattr(_ckpt_torch, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,439 @@
+"""The PyTorch side of vramkit.checkpoint: ``profile``, ``checkpoint_sequential``, ``Sequential``.
+
+``profile`` measures a chain of modules (times, activation bytes through
+``torch.autograd.graph.saved_tensors_hooks``, transient bytes through ``vramkit.torch.track``);
+the executor runs a planned ``Schedule`` with torch autograd (see docs/checkpoint_model.md):
+
+- forward_nosave / forward_check: the stage under ``torch.no_grad()``;
+- forward_all: the stage with grad enabled on a detached copy of its input, keeping that
+  stage's graph only;
+- loss: the boundary with the user's graph: everything before it runs in the forward of a
+  ``torch.autograd.Function``, everything after it in that Function's backward;
+- backward: ``torch.autograd.backward(output, grad)`` for the stage, whose input's ``.grad``
+  is passed to the stage below.
+
+The RNG state (CPU, and CUDA when the input is on CUDA) is saved before the first forward of
+each stage and restored for its recomputations, so dropout matches the un-checkpointed run.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from . import checkpoint as _ck
+from .torch import LiveMeter, track
+
+__all__ = ["Sequential", "checkpoint_sequential", "profile"]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _as_functions(functions: Any) -> list:
+    if isinstance(functions, nn.Sequential):
+        fns = list(functions.children())
+    elif isinstance(functions, (list, tuple, nn.ModuleList)):
+        fns = list(functions)
+    else:
+        raise TypeError("functions must be a torch.nn.Sequential or a list of modules/callables, got "
+                        f"{type(functions).__name__}")
+    if not fns:
+        raise ValueError("functions is empty: a chain needs at least one stage")
+    for i, f in enumerate(fns):
+        if not callable(f):
+            raise TypeError(f"stage {i} is not callable (got {type(f).__name__})")
+    return fns
+
+
+def _stage_name(i: int, fn: Any) -> str:
+    return f"stage {i} ({type(fn).__name__ if isinstance(fn, nn.Module) else getattr(fn, '__name__', type(fn).__name__)})"
+
+
+def _check_output(i: int, fn: Any, y: Any) -> torch.Tensor:
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"{_stage_name(i, fn)} returned {type(y).__name__}; every stage must return a single "
+                        "Tensor (as in torch.nn.Sequential)")
+    return y
+
+
+def _params(fns: Sequence[Any]) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for f in fns:
+        if isinstance(f, nn.Module):
+            for p in f.parameters():
+                seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return t.numel() * t.element_size()
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _sync(t: torch.Tensor) -> None:
+    if t.device.type == "cuda":
+        torch.cuda.synchronize(t.device)
+
+
+class _RngState:
+    """CPU RNG state, plus the CUDA state of ``device`` when it is a CUDA device."""
+
+    __slots__ = ("cpu", "cuda", "device")
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
+
+
+# ----------------------------------------------------------------------------- profile
+
+
+def _profile(fns: list, sample_input: torch.Tensor, repeats: int = 3) -> tuple[list, int]:
+    if not isinstance(sample_input, torch.Tensor):
+        raise TypeError(f"sample_input must be a Tensor, got {type(sample_input).__name__}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    device = sample_input.device
+    rng = _RngState(device)
+    # buffers (BatchNorm running stats) are restored after profiling
+    buffers = [(b, b.detach().clone()) for f in fns if isinstance(f, nn.Module) for b in f.buffers()]
+    stages = []
+    x = sample_input.detach()
+    try:
+        for i, fn in enumerate(fns):
+            a_i = _storage_bytes(x)
+            params = [p for p in (fn.parameters() if isinstance(fn, nn.Module) else ()) if p.requires_grad]
+            # forward timing and transient memory without saving
+            fwd_times = []
+            fwd_tmp = 0
+            for r in range(repeats):
+                with torch.no_grad(), track() as m:
+                    _sync(x)
+                    t0 = time.perf_counter()
+                    y = _check_output(i, fn, fn(x))
+                    _sync(y)
+                    fwd_times.append(time.perf_counter() - t0)
+                    out_new = _storage_bytes(y) if y.untyped_storage().data_ptr() in m._live else 0
+                    fwd_tmp = max(fwd_tmp, m.peak - out_new)
+                    del y
+            # the saved tensors, and the transient memory of the saving forward
+            saved: dict[int, int] = {}
+            bwd_times = []
+            bwd_tmp = 0
+            for r in range(repeats):
+                inp = x.detach()
+                if _differentiable(inp):
+                    inp.requires_grad_(True)
+                packed: list[torch.Tensor] = []
+
+                def pack(t: torch.Tensor) -> torch.Tensor:
+                    packed.append(t)
+                    return t
+
+                with torch.enable_grad(), track() as m, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    y = _check_output(i, fn, fn(inp))
+                    if r == 0:
+                        live_end = m.current
+                        in_ptr = inp.untyped_storage().data_ptr()
+                        for t in packed:
+                            st = t.untyped_storage()
+                            ptr = st.data_ptr()
+                            if ptr != in_ptr and ptr in m._live:  # created by this stage (not params)
+                                saved[ptr] = int(st.nbytes())
+                        fwd_tmp = max(fwd_tmp, m.peak - live_end)
+                packed.clear()
+                wrt = ([inp] if inp.requires_grad else []) + params
+                if y.requires_grad and wrt:
+                    g = torch.ones_like(y)
+                    _sync(g)
+                    with track() as m:
+                        t0 = time.perf_counter()
+                        torch.autograd.grad(y, wrt, g, allow_unused=True)
+                        _sync(g)
+                        bwd_times.append(time.perf_counter() - t0)
+                        bwd_tmp = max(bwd_tmp, m.peak - a_i)
+                else:
+                    bwd_times.append(0.0)
+                del y
+            with torch.no_grad():
+                y = fn(x)
+            stages.append(_ck.Stage(float(statistics.median(fwd_times)), float(statistics.median(bwd_times)), a_i,
+                                    a_i + sum(saved.values()), int(max(0, fwd_tmp)), int(max(0, bwd_tmp))))
+            x = y.detach()
+        out_bytes = _storage_bytes(x)
+    finally:
+        rng.restore()
+        with torch.no_grad():
+            for b, v in buffers:
+                b.copy_(v)
+    return stages, out_bytes
+
+
+def profile(modules: Any, sample_input: torch.Tensor, repeats: int = 3) -> list:
+    """Measure a chain: one ``Stage`` per module (median times over ``repeats`` runs, in seconds;
+    sizes in bytes). ``saved_bytes`` counts the distinct storages autograd saves for the stage that
+    the stage created, plus its input; parameters are not counted. ``fwd_tmp``/``bwd_tmp`` are the
+    transient bytes measured with ``vramkit.torch.track`` (``bwd_tmp`` includes the parameter
+    gradients of the stage). RNG state and module buffers are restored afterwards."""
+    return _profile(_as_functions(modules), sample_input, repeats)[0]
+
+
+# ----------------------------------------------------------------------------- executor
+
+
+class _Runner:
+    """Runs one Schedule for one input; the state of one forward/backward pass."""
+
+    def __init__(self, fns: list, schedule: Any):
+        self.fns = fns
+        self.ops = schedule.ops
+        self.L = len(fns)
+        self.pos = 0
+        self.x: dict[int, torch.Tensor] = {}
+        self.ckpt: set[int] = set()
+        self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.delta: dict[int, Any] = {}
+        self.rng: dict[int, _RngState] = {}
+        self.backward_done: set[int] = set()
+        self.used = False
+        self.device = torch.device("cpu")
+
+    def _call(self, i: int) -> Callable:
+        fn = self.fns[i]
+        return fn
+
+    def _run_stage(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        fn = self.fns[i]
+        state = self.rng.get(i)
+        if state is None:
+            self.rng[i] = _RngState(self.device)
+            return _check_output(i, fn, fn(x))
+        now = _RngState(self.device)
+        state.restore()
+        try:
+            return _check_output(i, fn, fn(x))
+        finally:
+            now.restore()
+
+    def _forward(self, kind: str, i: int) -> None:
+        xi = self.x[i]
+        if kind == "forward_all":
+            inp = xi.detach()
+            if _differentiable(inp):
+                inp.requires_grad_(True)
+            with torch.enable_grad():
+                y = self._run_stage(i, inp)
+            self.held[i] = (inp, y)
+        else:
+            with torch.no_grad():
+                y = self._run_stage(i, xi)
+            if kind == "forward_check":
+                self.ckpt.add(i)
+            elif i not in self.ckpt and i not in self.held and i != 0:
+                del self.x[i]
+        if (i + 1) not in self.backward_done:
+            self.x[i + 1] = y
+
+    def _backward(self, i: int) -> None:
+        inp, y = self.held.pop(i)
+        d = self.delta.pop(i + 1)
+        grad = None
+        if d is not None and y.requires_grad:
+            torch.autograd.backward(y, d)
+            grad = inp.grad
+        del y
+        if grad is None and inp.requires_grad:
+            grad = torch.zeros_like(inp)
+        self.x.pop(i, None)
+        self.ckpt.discard(i)
+        self.backward_done.add(i)
+        self.delta[i] = grad
+
+    def run_forward(self, x0: torch.Tensor) -> torch.Tensor:
+        self.device = x0.device
+        self.x[0] = x0.detach()
+        while True:
+            op = self.ops[self.pos]
+            self.pos += 1
+            if op.kind == "loss":
+                out = self.x.pop(self.L)
+                self.backward_done.add(self.L)
+                return out.detach()
+            if op.kind == "backward":
+                raise RuntimeError("vramkit.checkpoint: a backward op before the loss in the schedule")
+            self._forward(op.kind, op.stage)
+
+    def run_backward(self, grad_out: torch.Tensor) -> Any:
+        if self.used:
+            raise RuntimeError("vramkit.checkpoint: trying to backward through the checkpointed chain a second "
+                               "time; its schedule has already run (retain_graph is not supported)")
+        self.used = True
+        self.delta[self.L] = grad_out
+        with torch.enable_grad():
+            while self.pos < len(self.ops):
+                op = self.ops[self.pos]
+                self.pos += 1
+                if op.kind == "backward":
+                    self._backward(op.stage)
+                else:
+                    self._forward(op.kind, op.stage)
+        d0 = self.delta.pop(0, None)
+        self.x.clear()
+        self.held.clear()
+        self.delta.clear()
+        self.rng.clear()
+        return d0
+
+
+class _CheckpointFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, runner: _Runner, dummy: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.runner = runner
+        return runner.run_forward(x0)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        runner = ctx.runner
+        d0 = runner.run_backward(grad_out)
+        ctx.runner = None
+        return None, None, (d0 if ctx.needs_input_grad[2] else None)
+
+
+def _plain_forward(fns: list, x: torch.Tensor) -> torch.Tensor:
+    for i, fn in enumerate(fns):
+        x = _check_output(i, fn, fn(x))
+    return x
+
+
+def _execute(fns: list, schedule: Any, x0: torch.Tensor) -> torch.Tensor:
+    runner = _Runner(fns, schedule)
+    dummy = torch.empty((0,), device=x0.device, requires_grad=True)
+    return _CheckpointFunction.apply(runner, dummy, x0)
+
+
+def _resolve_budget(budget: Any, stages: list, out_bytes: int) -> int:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(f"budget must be bytes (int) or a fraction (float in (0, 1]), got {budget!r}")
+    if isinstance(budget, float):
+        if not (0.0 < budget <= 1.0) or not math.isfinite(budget):
+            raise ValueError(f"a fractional budget must be in (0, 1], got {budget!r}")
+        full = _ck.plan(stages, None, "none", output_bytes=out_bytes).predicted_peak
+        return max(1, int(math.floor(budget * full)))
+    if budget <= 0:
+        raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
+    return int(budget)
+
+
+def _plan(fns: list, x: torch.Tensor, budget: Any, algorithm: str, repeats: int = 3) -> Any:
+    stages, out_bytes = _profile(fns, x, repeats)
+    nbytes = _resolve_budget(budget, stages, out_bytes)
+    try:
+        return _ck.plan(stages, nbytes, algorithm, output_bytes=out_bytes)
+    except _ck.BudgetTooSmallError as e:
+        full = _ck.plan(stages, None, "none", output_bytes=out_bytes).predicted_peak
+        least = e.min_budget
+        raise _ck.BudgetTooSmallError(
+            f"budget {nbytes:,} bytes is below the minimum for this model and input: the least budget that works "
+            f"is {least:,} bytes ({least / full:.3f} of the {full:,} bytes storing everything needs)",
+            least, nbytes) from None
+
+
+def _check_trainable(fns: list, x: torch.Tensor) -> None:
+    if not any(p.requires_grad for p in _params(fns)) and not x.requires_grad:
+        raise ValueError("vramkit.checkpoint: no parameter of the model requires grad and the input does not "
+                         "either: there is nothing to backpropagate, so checkpointing has no use (run the model "
+                         "under torch.no_grad())")
+
+
+def checkpoint_sequential(functions: Any, input: torch.Tensor, budget: Any = None, segments: int | None = None,
+                          algorithm: str = "optimal") -> torch.Tensor:
+    """Run a sequential chain with activation checkpointing.
+
+    ``segments=k``: as ``torch.utils.checkpoint.checkpoint_sequential`` (non-reentrant).
+    ``budget``: bytes (int), or a float in (0, 1] meaning that fraction of the activation memory
+    of storing everything (as ``plan(..., "none")`` predicts); the chain is profiled once,
+    planned with ``algorithm`` and executed; ``out.backward()`` (through any loss) runs the rest
+    of the schedule. Raises ``BudgetTooSmallError`` when the budget is below the minimum.
+    """
+    if budget is not None and segments is not None:
+        raise ValueError("give either budget= or segments=, not both")
+    if budget is None and segments is None:
+        raise ValueError("give budget= (bytes, or a fraction in (0, 1]) or segments=k")
+    fns = _as_functions(functions)
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"input must be a Tensor, got {type(input).__name__}")
+    if segments is not None:
+        if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= len(fns):
+            raise ValueError(f"segments must be an int in 1..{len(fns)}, got {segments!r}")
+        return torch.utils.checkpoint.checkpoint_sequential(fns, segments, input, use_reentrant=False)
+    if algorithm not in _ck.ALGORITHMS or algorithm in ("segments",):
+        raise ValueError(f"algorithm must be one of optimal, revolve, sqrt, none with budget=, got {algorithm!r}")
+    if not torch.is_grad_enabled():
+        return _plain_forward(fns, input)
+    _check_trainable(fns, input)
+    schedule = _plan(fns, input, budget, algorithm)
+    return _execute(fns, schedule, input)
+
+
+class Sequential(nn.Sequential):
+    """A drop-in for ``nn.Sequential`` that trains within ``budget`` (bytes, or a fraction in
+    (0, 1] of the store-everything activation memory). It profiles and plans once per input
+    (shape, dtype, device) and reuses the schedule; in eval/no-grad use it is a plain forward.
+    Parameter names are those of ``nn.Sequential`` ("0.weight", ...)."""
+
+    def __init__(self, modules: Any, budget: Any, algorithm: str = "optimal"):
+        if isinstance(modules, nn.Sequential):
+            mods = list(modules.children())
+        elif isinstance(modules, (list, tuple, nn.ModuleList)):
+            mods = list(modules)
+        else:
+            raise TypeError(f"modules must be an nn.Sequential or a list of modules, got {type(modules).__name__}")
+        for i, m in enumerate(mods):
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"stage {i} is not an nn.Module (got {type(m).__name__})")
+        if not mods:
+            raise ValueError("modules is empty")
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+            raise TypeError(f"budget must be bytes (int) or a fraction (float in (0, 1]), got {budget!r}")
+        if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+            raise ValueError(f"a fractional budget must be in (0, 1], got {budget!r}")
+        if isinstance(budget, int) and budget <= 0:
+            raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
+        if algorithm not in ("optimal", "revolve", "sqrt", "none"):
+            raise ValueError(f"algorithm must be one of optimal, revolve, sqrt, none, got {algorithm!r}")
+        super().__init__(*mods)
+        self.budget = budget
+        self.algorithm = algorithm
+        self._schedules: dict = {}
+
+    def schedule_for(self, x: torch.Tensor) -> Any:
+        key = (tuple(x.shape), x.dtype, x.device)
+        sched = self._schedules.get(key)
+        if sched is None:
+            sched = _plan(list(self), x, self.budget, self.algorithm)
+            self._schedules[key] = sched
+        return sched
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        fns = list(self)
+        if not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())):
+            return _plain_forward(fns, input)
+        return _execute(fns, self.schedule_for(input), input)

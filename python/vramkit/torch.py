@@ -1,0 +1,116 @@
+"""PyTorch helpers: ``track()``, a meter of live tensor storage bytes (CPU included).
+
+``with vramkit.torch.track() as m: ...`` counts the bytes of every tensor storage created by a
+torch operation inside the block (through a ``TorchDispatchMode``) until the storage is freed
+(a ``weakref.finalize`` on the storage). ``m.current`` is the live total, ``m.peak`` its maximum
+since the start or the last ``m.reset_peak()``. Each storage counts once (by its data pointer),
+whatever the number of views of it. Storages that existed before the block (parameters, inputs
+created outside) are not counted, nor are outputs that alias an operation's inputs.
+
+Note: this module is ``vramkit.torch``; inside the package ``import torch`` (absolute import)
+is always the real PyTorch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Any, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["LiveMeter", "track"]
+
+
+def _storage(t: Any):
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        if t.is_sparse or t.device.type == "meta":
+            return None
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+class LiveMeter:
+    """Bytes of live tensor storages created while the meter was tracking."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+        self._live: dict[int, tuple[int, object]] = {}
+        self._lock = threading.Lock()
+
+    def reset_peak(self) -> None:
+        """Set ``peak`` to ``current``."""
+        with self._lock:
+            self.peak = self.current
+
+    @property
+    def num_storages(self) -> int:
+        return len(self._live)
+
+    def _free(self, ptr: int, token: object) -> None:
+        with self._lock:
+            entry = self._live.get(ptr)
+            if entry is not None and entry[1] is token:
+                del self._live[ptr]
+                self.current -= entry[0]
+
+    def _add(self, st) -> None:
+        ptr = st.data_ptr()
+        n = st.nbytes()
+        if ptr == 0 or n == 0:
+            return
+        with self._lock:
+            if ptr in self._live:
+                return
+            token = object()
+            self._live[ptr] = (n, token)
+            self.current += n
+            if self.current > self.peak:
+                self.peak = self.current
+        fin = weakref.finalize(st, self._free, ptr, token)
+        fin.atexit = False
+
+    def _record(self, args: Any, kwargs: Any, out: Any) -> None:
+        outs, _ = tree_flatten(out)
+        new = [s for s in map(_storage, outs) if s is not None]
+        if not new:
+            return
+        ins, _ = tree_flatten((args, kwargs))
+        seen = {s.data_ptr() for s in map(_storage, ins) if s is not None}
+        for st in new:
+            if st.data_ptr() not in seen:
+                self._add(st)
+
+    def __repr__(self) -> str:
+        return f"LiveMeter(current={self.current:,} B, peak={self.peak:,} B, storages={len(self._live)})"
+
+
+class _MeterMode(TorchDispatchMode):
+    def __init__(self, meter: LiveMeter) -> None:
+        super().__init__()
+        self.meter = meter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.meter._record(args, kwargs, out)
+        return out
+
+
+@contextlib.contextmanager
+def track(meter: LiveMeter | None = None) -> Iterator[LiveMeter]:
+    """Count live tensor storage bytes created inside the block; yields the ``LiveMeter``.
+
+    The meter keeps counting frees after the block ends (``current`` goes down as the tensors
+    created inside die), but no longer counts new tensors.
+    """
+    m = meter if meter is not None else LiveMeter()
+    with _MeterMode(m):
+        yield m
