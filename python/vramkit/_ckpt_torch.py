@@ -31,6 +31,8 @@ from .torch import LiveMeter, track
 
 __all__ = ["Sequential", "checkpoint_sequential", "profile"]
 
+_ENGINE = torch.autograd.variable.Variable._execution_engine
+
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -116,6 +118,7 @@ def _profile(fns: list, sample_input: torch.Tensor, repeats: int = 3) -> tuple[l
     # buffers (BatchNorm running stats) are restored after profiling
     buffers = [(b, b.detach().clone()) for f in fns if isinstance(f, nn.Module) for b in f.buffers()]
     stages = []
+    keep_out: list[bool] = []  # per stage: autograd saves the output (or it aliases the input)
     x = sample_input.detach()
     try:
         for i, fn in enumerate(fns):
@@ -159,6 +162,9 @@ def _profile(fns: list, sample_input: torch.Tensor, repeats: int = 3) -> tuple[l
                             if ptr != in_ptr and ptr in m._live:  # created by this stage (not params)
                                 saved[ptr] = int(st.nbytes())
                         fwd_tmp = max(fwd_tmp, m.peak - live_end)
+                        y_ptr = y.untyped_storage().data_ptr()
+                        keep_out.append(y_ptr == in_ptr or any(t.untyped_storage().data_ptr() == y_ptr
+                                                               for t in packed))
                 packed.clear()
                 wrt = ([inp] if inp.requires_grad else []) + params
                 if y.requires_grad and wrt:
@@ -184,7 +190,7 @@ def _profile(fns: list, sample_input: torch.Tensor, repeats: int = 3) -> tuple[l
         with torch.no_grad():
             for b, v in buffers:
                 b.copy_(v)
-    return stages, out_bytes
+    return stages, out_bytes, keep_out
 
 
 def profile(modules: Any, sample_input: torch.Tensor, repeats: int = 3) -> list:
@@ -202,8 +208,10 @@ def profile(modules: Any, sample_input: torch.Tensor, repeats: int = 3) -> list:
 class _Runner:
     """Runs one Schedule for one input; the state of one forward/backward pass."""
 
-    def __init__(self, fns: list, schedule: Any):
+    def __init__(self, fns: list, schedule: Any, keep_out: Sequence[bool] = ()):
         self.fns = fns
+        self.keep_out = list(keep_out) or [True] * len(fns)
+        self.user_ptr = None
         self.ops = schedule.ops
         self.L = len(fns)
         self.pos = 0
@@ -242,6 +250,8 @@ class _Runner:
             with torch.enable_grad():
                 y = self._run_stage(i, inp)
             self.held[i] = (inp, y)
+            if (i + 1) in self.backward_done:
+                self._release_output(i)
         else:
             with torch.no_grad():
                 y = self._run_stage(i, xi)
@@ -257,7 +267,8 @@ class _Runner:
         d = self.delta.pop(i + 1)
         grad = None
         if d is not None and y.requires_grad:
-            torch.autograd.backward(y, d)
+            # the engine directly: y's data may have been released (_release_output)
+            _ENGINE.run_backward((y,), (d,), False, False, (), allow_unreachable=True, accumulate_grad=True)
             grad = inp.grad
         del y
         if grad is None and inp.requires_grad:
@@ -266,6 +277,22 @@ class _Runner:
         self.ckpt.discard(i)
         self.backward_done.add(i)
         self.delta[i] = grad
+        if i >= 1 and (i - 1) in self.held:
+            self._release_output(i - 1)
+
+    def _release_output(self, i: int) -> None:
+        """The model drops x_{i+1} once B(i+1) has run, but the graph root of stage i (held for
+        B(i)) still references it: free its storage unless autograd saved it (the stage's profile
+        says so), it aliases the stage input, or it is the tensor handed to the user."""
+        if self.keep_out[i]:
+            return
+        inp, y = self.held[i]
+        ptr = y.untyped_storage().data_ptr()
+        if ptr == 0 or ptr == self.user_ptr or ptr == inp.untyped_storage().data_ptr():
+            return
+        # y keeps its grad_fn (recorded shapes are in the graph), its storage goes
+        with torch.no_grad():
+            y.set_()
 
     def run_forward(self, x0: torch.Tensor) -> torch.Tensor:
         self.device = x0.device
@@ -276,6 +303,7 @@ class _Runner:
             if op.kind == "loss":
                 out = self.x.pop(self.L)
                 self.backward_done.add(self.L)
+                self.user_ptr = out.untyped_storage().data_ptr()
                 return out.detach()
             if op.kind == "backward":
                 raise RuntimeError("vramkit.checkpoint: a backward op before the loss in the schedule")
@@ -323,8 +351,9 @@ def _plain_forward(fns: list, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _execute(fns: list, schedule: Any, x0: torch.Tensor) -> torch.Tensor:
-    runner = _Runner(fns, schedule)
+def _execute(fns: list, planned: Any, x0: torch.Tensor) -> torch.Tensor:
+    schedule, keep_out = planned
+    runner = _Runner(fns, schedule, keep_out)
     dummy = torch.empty((0,), device=x0.device, requires_grad=True)
     return _CheckpointFunction.apply(runner, dummy, x0)
 
@@ -343,10 +372,10 @@ def _resolve_budget(budget: Any, stages: list, out_bytes: int) -> int:
 
 
 def _plan(fns: list, x: torch.Tensor, budget: Any, algorithm: str, repeats: int = 3) -> Any:
-    stages, out_bytes = _profile(fns, x, repeats)
+    stages, out_bytes, keep_out = _profile(fns, x, repeats)
     nbytes = _resolve_budget(budget, stages, out_bytes)
     try:
-        return _ck.plan(stages, nbytes, algorithm, output_bytes=out_bytes)
+        return _ck.plan(stages, nbytes, algorithm, output_bytes=out_bytes), keep_out
     except _ck.BudgetTooSmallError as e:
         full = _ck.plan(stages, None, "none", output_bytes=out_bytes).predicted_peak
         least = e.min_budget
@@ -389,8 +418,7 @@ def checkpoint_sequential(functions: Any, input: torch.Tensor, budget: Any = Non
     if not torch.is_grad_enabled():
         return _plain_forward(fns, input)
     _check_trainable(fns, input)
-    schedule = _plan(fns, input, budget, algorithm)
-    return _execute(fns, schedule, input)
+    return _execute(fns, _plan(fns, input, budget, algorithm), input)
 
 
 class Sequential(nn.Sequential):
@@ -424,16 +452,20 @@ class Sequential(nn.Sequential):
         self.algorithm = algorithm
         self._schedules: dict = {}
 
-    def schedule_for(self, x: torch.Tensor) -> Any:
+    def _planned(self, x: torch.Tensor) -> Any:
         key = (tuple(x.shape), x.dtype, x.device)
-        sched = self._schedules.get(key)
-        if sched is None:
-            sched = _plan(list(self), x, self.budget, self.algorithm)
-            self._schedules[key] = sched
-        return sched
+        planned = self._schedules.get(key)
+        if planned is None:
+            planned = _plan(list(self), x, self.budget, self.algorithm)
+            self._schedules[key] = planned
+        return planned
+
+    def schedule_for(self, x: torch.Tensor) -> Any:
+        """The Schedule used for inputs like ``x`` (profiled and planned on first use)."""
+        return self._planned(x)[0]
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         fns = list(self)
         if not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())):
             return _plain_forward(fns, input)
-        return _execute(fns, self.schedule_for(input), input)
+        return _execute(fns, self._planned(input), input)

@@ -1,0 +1,235 @@
+"""vramkit.checkpoint with PyTorch: profile, checkpoint_sequential (budget / segments), Sequential,
+and the live-tensor meter vramkit.torch.track (CPU)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from vramkit import checkpoint as ck  # noqa: E402
+from vramkit.torch import track  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # tiny matmuls on a busy 2-core machine are ~20x slower with 2 intra-op threads
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class Res(nn.Module):
+    def __init__(self, d: int, p: float = 0.0):
+        super().__init__()
+        self.l1 = nn.Linear(d, d)
+        self.l2 = nn.Linear(d, d)
+        self.drop = nn.Dropout(p) if p else nn.Identity()
+
+    def forward(self, x):
+        return x + self.l2(self.drop(torch.tanh(self.l1(x))))
+
+
+def chain(seed: int, n: int, d: int = 16, p: float = 0.0) -> nn.Sequential:
+    g = torch.Generator().manual_seed(seed)
+    kinds = torch.randint(0, 3, (n,), generator=g).tolist()
+    torch.manual_seed(seed)
+    mods = []
+    for k in kinds:
+        mods.append(Res(d, p) if k == 0 else nn.Tanh() if k == 1 else nn.Linear(d, d))
+    return nn.Sequential(*mods).double()
+
+
+def grads(model, x, seed, **kw):
+    m = copy.deepcopy(model)
+    xx = x.detach().clone().requires_grad_(True)
+    torch.manual_seed(seed)
+    out = ck.checkpoint_sequential(m, xx, **kw) if kw else m(xx)
+    (out.pow(2).sum() + out.sum()).backward()
+    return out.detach(), [p.grad for p in m.parameters()], xx.grad
+
+
+def assert_same(ref, got, tol):
+    (o1, g1, x1), (o2, g2, x2) = ref, got
+    assert torch.allclose(o1, o2, rtol=0, atol=tol)
+    assert len(g1) == len(g2)
+    for a, b in zip(g1, g2):
+        assert a is not None and b is not None
+        assert torch.allclose(a, b, rtol=0, atol=tol), (a - b).abs().max()
+    assert torch.allclose(x1, x2, rtol=0, atol=tol)
+
+
+def run_budgets(model, x, seed, tol):
+    ref = grads(model, x, seed)
+    stages = ck.profile(model, x)
+    least = ck.min_budget(stages)
+    full = ck.plan(stages, None, "none").predicted_peak
+    ran = []
+    # the fractions that are feasible, and the least budget (int bytes) itself
+    budgets = [f for f in (1.0, 0.6, 0.4, 0.2) if f * full >= least * 1.01] + [least]
+    for budget in budgets:
+        assert_same(ref, grads(model, x, seed, budget=budget), tol)
+        ran.append(budget)
+    for k in (2, 3):
+        assert_same(ref, grads(model, x, seed, segments=k), tol)
+    return ran
+
+
+@pytest.mark.parametrize("seed,n", [(1, 6), (2, 9), (3, 12)])
+def test_gradients_match_uncheckpointed(seed, n):
+    model = chain(seed, n)
+    x = torch.randn(32, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    ran = run_budgets(model, x, seed, 1e-10)
+    assert len(ran) >= 3
+
+
+def test_gradients_match_with_dropout_rng_preserved():
+    model = chain(7, 10, p=0.3)
+    assert any(isinstance(m, Res) for m in model)
+    x = torch.randn(32, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    # identical, not just close: the same ops on the same data with the same dropout masks
+    run_budgets(model, x, 11, 0.0)
+    # and the RNG stream after the call continues as without checkpointing
+    m = copy.deepcopy(model)
+    torch.manual_seed(3)
+    ck.checkpoint_sequential(m, x, budget=0.5).sum().backward()
+    after = torch.rand(4)
+    torch.manual_seed(3)
+    model(x).sum().backward()
+    assert torch.equal(after, torch.rand(4))
+
+
+def test_schedule_recomputes_at_small_budget():
+    model = chain(2, 9)
+    x = torch.randn(32, 16, dtype=torch.float64)
+    stages = ck.profile(model, x)
+    s = ck.plan(stages, ck.min_budget(stages), "optimal")
+    assert s.count("forward_nosave") + s.count("forward_check") > 0
+
+
+def _peak(model: ck.Sequential, x: torch.Tensor):
+    sched = model.schedule_for(x)  # profile + plan outside the measurement
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # accumulate in place: parameter gradients are not activations
+    with track() as m:
+        xx = x.clone()  # the chain input counts, as in the planner's model
+        out = model(xx)
+        loss = out.sum()
+        del out  # the user keeps no reference to the chain output
+        loss.backward()
+    return sched, m.peak
+
+
+@pytest.mark.parametrize("frac", [1.0, 0.6, 0.4, 0.3])
+def test_measured_peak_matches_prediction(frac):
+    torch.manual_seed(0)
+    mods = [Res(32).double() for _ in range(10)]
+    model = ck.Sequential(mods, budget=frac)
+    x = torch.randn(512, 32, dtype=torch.float64)
+    # measured: bytes of live storages created during forward+backward (activations, recomputed
+    # activations, gradients of activations, transients), i.e. memory above parameters and grads.
+    # Known open problem: an occasional run measures one activation (512 x 32 float64) more
+    # than the others for the same schedule (about 1 run in 8 here); the cause is not found
+    # yet. So the typical run (the median of 5) is held to the 10 % target and the budget, and
+    # every run to the prediction plus that one activation.
+    runs = [_peak(model, x) for _ in range(5)]
+    sched = runs[0][0]
+    peaks = sorted(p for _, p in runs)
+    ratio = peaks[2] / sched.predicted_peak
+    print(f"budget {frac}: predicted {sched.predicted_peak} measured {peaks} ratio {ratio:.3f}")
+    assert 0.9 <= ratio <= 1.1
+    assert peaks[2] <= sched.budget
+    assert peaks[-1] <= sched.predicted_peak + x.numel() * x.element_size()
+
+
+def test_sequential_training_matches_nn_sequential():
+    torch.manual_seed(0)
+    blocks = [Res(16).double() for _ in range(24)]
+    ref = nn.Sequential(*copy.deepcopy(blocks))
+    model = ck.Sequential(copy.deepcopy(blocks), budget=0.3)
+    assert list(model.state_dict()) == list(ref.state_dict())
+    x = torch.randn(64, 16, dtype=torch.float64)
+    y = torch.randn(64, 16, dtype=torch.float64)
+    losses = []
+    for net in (ref, model):
+        opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
+        ls = []
+        for _ in range(4):
+            opt.zero_grad()
+            loss = ((net(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            ls.append(loss.item())
+        losses.append(ls)
+    for a, b in zip(*losses):
+        assert b == pytest.approx(a, rel=1e-6)
+    assert losses[0][-1] < losses[0][0]
+    assert len(model._schedules) == 1  # planned once for the one input shape
+    sched = model.schedule_for(x)
+    assert sched.count("forward_nosave") + sched.count("forward_check") > 0
+    with torch.no_grad():  # plain forward
+        assert torch.allclose(model(x), ref(x), rtol=0, atol=1e-12)
+
+
+def test_error_cases():
+    model = chain(1, 6)
+    x = torch.randn(8, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="not both"):
+        ck.checkpoint_sequential(model, x, budget=0.5, segments=2)
+    with pytest.raises(ValueError, match="budget="):
+        ck.checkpoint_sequential(model, x)
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        ck.checkpoint_sequential(nn.Linear(16, 16), x, budget=0.5)
+    with pytest.raises(TypeError, match="not callable"):
+        ck.checkpoint_sequential([nn.Tanh(), 3], x, budget=0.5)
+    bad = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.LSTM(16, 16)).double()
+    with pytest.raises(TypeError, match="stage 2 \\(LSTM\\).*tuple"):
+        ck.checkpoint_sequential(bad, x.unsqueeze(0), budget=0.5)
+    frozen = copy.deepcopy(model).requires_grad_(False)
+    with pytest.raises(ValueError, match="requires grad"):
+        ck.checkpoint_sequential(frozen, x, budget=0.5)
+    with pytest.raises(ck.BudgetTooSmallError, match="least budget that works is [0-9,]+ bytes") as ei:
+        ck.checkpoint_sequential(model, x, budget=100)
+    assert ei.value.min_budget > 100
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        ck.checkpoint_sequential(model, x, budget=1.5)
+    with pytest.raises(ck.BudgetTooSmallError):
+        ck.Sequential(list(model), budget=0.01)(x)
+
+
+def test_profile_and_track():
+    model = chain(2, 8)
+    x = torch.randn(32, 16, dtype=torch.float64)
+    st = ck.profile(model, x)
+    assert len(st) == 8
+    for s, m in zip(st, model):
+        assert s.input_bytes == 32 * 16 * 8
+        assert s.saved_bytes >= s.input_bytes
+        if isinstance(m, Res):  # tanh output is saved beyond the input
+            assert s.saved_bytes >= 2 * s.input_bytes
+    with track() as m:
+        a = torch.zeros(1000, dtype=torch.float64)
+        v = a.view(10, 100)  # same storage: counted once
+        assert m.current == 8000
+        b = a + 1
+        assert m.current == m.peak == 16000
+        del a, v
+        assert m.current == 8000
+        m.reset_peak()
+        assert m.peak == 8000
+        del b
+    assert m.current == 0
+
+
+def test_import_checkpoint_does_not_import_torch():
+    code = "import sys, vramkit.checkpoint as c; assert 'torch' not in sys.modules; c.plan; print('ok')"
+    env = dict(os.environ)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
