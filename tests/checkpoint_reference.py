@@ -93,9 +93,11 @@ def simulate(stages, ops, output_bytes=None):
     return time, peak
 
 
-def replay(stages, ops, output_bytes=None):
+def replay(stages, ops, output_bytes=None, with_state=False):
     """Replay a (possibly incomplete) op sequence: (time, peak, next_backward); next_backward is
-    -1 once B(0) has run. ValueError naming the op on any broken rule."""
+    -1 once B(0) has run. ValueError naming the op on any broken rule. With with_state, a fourth
+    item: the state after the last op, as (present x indices, checkpoint-marked indices, taped
+    indices, next_backward), tuples of indices."""
     c = Chain(stages, output_bytes)
     L, a, tape = c.L, c.a, c.tape
     x = [False] * (L + 1)       # x_k present
@@ -135,6 +137,9 @@ def replay(stages, ops, output_bytes=None):
             x[i] = False        # FN consumes x_i
         if i + 1 <= nb:         # output kept only if B(i+1) has not run (x_{L+1} does not exist)
             x[i + 1] = True
+    if with_state:
+        state = tuple(tuple(k for k in range(L + 1) if v[k]) for v in (x, ck, tp)) + (nb,)
+        return time, peak, nb, state
     return time, peak, nb
 
 

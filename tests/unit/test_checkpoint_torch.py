@@ -4,6 +4,7 @@ and the live-tensor meter vramkit.torch.track (CPU)."""
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import subprocess
 import sys
@@ -118,6 +119,7 @@ def _peak(model: ck.Sequential, x: torch.Tensor):
     sched = model.schedule_for(x)  # profile + plan outside the measurement
     for p in model.parameters():
         p.grad = torch.zeros_like(p)  # accumulate in place: parameter gradients are not activations
+    gc.collect()  # garbage from earlier tests must not be collected (and counted) mid-run
     with track() as m:
         xx = x.clone()  # the chain input counts, as in the planner's model
         out = model(xx)
