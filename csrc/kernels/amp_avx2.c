@@ -90,10 +90,7 @@ TARGET static inline __attribute__((always_inline)) int span_f32_impl(void *data
     return found;
 }
 
-TARGET static int span_f32(void *data, int64_t n, float factor, int write, double *sumsq) {
-    if (!write) return span_f32_impl(data, n, factor, 0, sumsq);
-    return sumsq ? span_f32_impl(data, n, factor, 1, sumsq) : span_f32_impl(data, n, factor, 1, NULL);
-}
+VRAM__AMP_SPECIALISE(TARGET, span_f32)
 
 /* The 16-bit spans share one body: CONVERT_IN widens eight raw elements, CONVERT_OUT rounds
  * back, EXP is the exponent mask of the storage type. Two accumulators alternate so the
@@ -138,11 +135,7 @@ TARGET static int span_f32(void *data, int64_t n, float factor, int write, doubl
         if (sumsq) *sumsq += total;                                                                  \
         return found;                                                                                \
     }                                                                                                \
-    /* Specialised copies (write and sum fixed), so the inner loop carries no branches. */          \
-    TARGET static int NAME(void *data, int64_t n, float factor, int write, double *sumsq) {          \
-        if (!write) return NAME##_impl(data, n, factor, 0, sumsq);                                   \
-        return sumsq ? NAME##_impl(data, n, factor, 1, sumsq) : NAME##_impl(data, n, factor, 1, NULL); \
-    }
+    VRAM__AMP_SPECIALISE(TARGET, NAME)
 
 #define F16_IN(h) _mm256_cvtph_ps(h)
 #define F16_OUT(y) _mm256_cvtps_ph((y), _MM_FROUND_TO_NEAREST_INT)
@@ -177,10 +170,7 @@ TARGET static inline __attribute__((always_inline)) int span_f64_impl(void *data
     return found;
 }
 
-TARGET static int span_f64(void *data, int64_t n, float factor, int write, double *sumsq) {
-    if (!write) return span_f64_impl(data, n, factor, 0, sumsq);
-    return sumsq ? span_f64_impl(data, n, factor, 1, sumsq) : span_f64_impl(data, n, factor, 1, NULL);
-}
+VRAM__AMP_SPECIALISE(TARGET, span_f64)
 
 static int supported(void) {
     __builtin_cpu_init();
