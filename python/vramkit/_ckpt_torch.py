@@ -211,7 +211,6 @@ class _Runner:
     def __init__(self, fns: list, schedule: Any, keep_out: Sequence[bool] = ()):
         self.fns = fns
         self.keep_out = list(keep_out) or [True] * len(fns)
-        self.user_ptr = None
         self.ops = schedule.ops
         self.L = len(fns)
         self.pos = 0
@@ -283,12 +282,17 @@ class _Runner:
     def _release_output(self, i: int) -> None:
         """The model drops x_{i+1} once B(i+1) has run, but the graph root of stage i (held for
         B(i)) still references it: free its storage unless autograd saved it (the stage's profile
-        says so), it aliases the stage input, or it is the tensor handed to the user."""
+        says so) or it aliases the stage input. ``set_()`` only detaches this tensor from the
+        storage, so a storage someone else still references (the chain output handed to the user,
+        when a stage returns its input) stays alive and intact.
+
+        No test here may compare against the address of a tensor that is already dead: the host
+        allocator reuses addresses, and a stale match once kept one activation alive at random."""
         if self.keep_out[i]:
             return
         inp, y = self.held[i]
         ptr = y.untyped_storage().data_ptr()
-        if ptr == 0 or ptr == self.user_ptr or ptr == inp.untyped_storage().data_ptr():
+        if ptr == 0 or ptr == inp.untyped_storage().data_ptr():
             return
         # y keeps its grad_fn (recorded shapes are in the graph), its storage goes
         with torch.no_grad():
@@ -303,7 +307,6 @@ class _Runner:
             if op.kind == "loss":
                 out = self.x.pop(self.L)
                 self.backward_done.add(self.L)
-                self.user_ptr = out.untyped_storage().data_ptr()
                 return out.detach()
             if op.kind == "backward":
                 raise RuntimeError("vramkit.checkpoint: a backward op before the loss in the schedule")
