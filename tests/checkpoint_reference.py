@@ -2,6 +2,9 @@
 
 Not a test module: the tests import it.
 
+Each function also takes `loss=`, the loss as one more stage (a 6-tuple); without it the
+loss is free and reads `output_bytes`.
+
 - `simulate(stages, ops, output_bytes=None)` replays a schedule under the model's rules and
   returns (time, peak); it raises ValueError naming the op index on an invalid schedule.
 - `exhaustive(stages, budget, output_bytes=None)` is the least-time valid schedule with
@@ -12,8 +15,9 @@ Not a test module: the tests import it.
   of the same DP (exact; equal to the exhaustive minimum on every chain checked).
 - `recompute_all_schedule(L)` is the "store only x_0 and recompute" schedule.
 
-A stage is a dict with keys fwd_time, bwd_time, input_bytes, saved_bytes, fwd_tmp, bwd_tmp, or
-a tuple in that order. An op is (kind, i), kind in {"FN", "FC", "FA", "B"}, 0 <= i <= L (L is
+A stage is a dict with keys fwd_time, bwd_time, input_bytes, saved_bytes, fwd_tmp, bwd_tmp and
+optionally fwd_all_tmp (the saving forward's transient; default fwd_tmp), or a tuple in that
+order. An op is (kind, i), kind in {"FN", "FC", "FA", "B"}, 0 <= i <= L (L is
 the loss). Sizes may be ints or floats; times are summed in op order.
 """
 
@@ -26,7 +30,7 @@ from functools import lru_cache
 __all__ = ["Chain", "simulate", "replay", "exhaustive", "persistent_dp", "min_budget",
            "recompute_all_schedule", "store_all_schedule", "SearchLimit"]
 
-_FIELDS = ("fwd_time", "bwd_time", "input_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")
+_FIELDS = ("fwd_time", "bwd_time", "input_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp", "fwd_all_tmp")
 KINDS = ("FN", "FC", "FA", "B")
 
 
@@ -35,10 +39,10 @@ class SearchLimit(RuntimeError):
 
 
 class Chain:
-    """Index k = 0..L+1 as in the model: f, b, tape, ft, bt have L+1 entries (stage L is the loss,
-    all zero), a has L+2 entries (a[L] = output bytes, a[L+1] = 0)."""
+    """Index k = 0..L+1 as in the model: f, b, tape, ft, bt have L+1 entries (stage L is the loss:
+    all zero, or the `loss` stage given), a has L+2 entries (a[L] = output bytes, a[L+1] = 0)."""
 
-    def __init__(self, stages, output_bytes=None):
+    def __init__(self, stages, output_bytes=None, loss=None):
         if isinstance(stages, Chain):
             self.__dict__.update(stages.__dict__)
             return
@@ -46,15 +50,17 @@ class Chain:
         for n, s in enumerate(stages):
             if isinstance(s, dict):
                 try:
-                    row = tuple(s[k] for k in _FIELDS)
+                    row = tuple(s[k] for k in _FIELDS[:6]) + (s.get("fwd_all_tmp", s["fwd_tmp"]),)
                 except KeyError as e:
                     raise ValueError(f"stage {n}: missing key {e.args[0]!r}") from None
             else:
                 row = tuple(s)
-                if len(row) != 6:
-                    raise ValueError(f"stage {n}: expected 6 values {_FIELDS}, got {len(row)}")
-            f, b, a, s_, ft, bt = row
-            if min(f, b, a, s_, ft, bt) < 0:
+                if len(row) == 6:
+                    row += (row[4],)
+                if len(row) != 7:
+                    raise ValueError(f"stage {n}: expected 6 or 7 values {_FIELDS}, got {len(row)}")
+            f, b, a, s_, ft, bt, fat = row
+            if min(f, b, a, s_, ft, bt, fat) < 0:
                 raise ValueError(f"stage {n}: negative value in {row}")
             if s_ < a:
                 raise ValueError(f"stage {n}: saved_bytes ({s_}) < input_bytes ({a})")
@@ -66,10 +72,14 @@ class Chain:
         self.f = [r[0] for r in rows] + [0]
         self.b = [r[1] for r in rows] + [0]
         out = rows[-1][2] if output_bytes is None else output_bytes
-        self.a = [r[2] for r in rows] + [out, 0]
-        self.tape = [r[3] - r[2] for r in rows] + [0]
-        self.ft = [r[4] for r in rows] + [0]
-        self.bt = [r[5] for r in rows] + [0]
+        loss = (0, 0, out, out, 0, 0) if loss is None else tuple(loss)
+        lf, lb, la, ls, lft, lbt, lfat = loss if len(loss) == 7 else loss + (loss[4],)
+        self.f[-1], self.b[-1] = lf, lb
+        self.a = [r[2] for r in rows] + [la, 0]
+        self.tape = [r[3] - r[2] for r in rows] + [ls - la]
+        self.ft = [r[4] for r in rows] + [lft]
+        self.bt = [r[5] for r in rows] + [lbt]
+        self.fat = [r[6] for r in rows] + [lfat]
 
 
 def _parse_op(n, op, L):
@@ -84,21 +94,23 @@ def _parse_op(n, op, L):
     return kind, i
 
 
-def simulate(stages, ops, output_bytes=None):
+def simulate(stages, ops, output_bytes=None, loss=None):
     """Replay `ops`; return (time, peak). ValueError naming the op on any broken rule."""
-    time, peak, nb = replay(stages, ops, output_bytes)
+    time, peak, nb = replay(stages, ops, output_bytes, loss=loss)
     if nb != -1:
         raise ValueError(f"op {len(ops)}: the schedule ends without delta_0 "
                          f"(the next backward would be B({nb}))")
     return time, peak
 
 
-def replay(stages, ops, output_bytes=None, with_state=False):
+def replay(stages, ops, output_bytes=None, with_state=False, loss=None):
     """Replay a (possibly incomplete) op sequence: (time, peak, next_backward); next_backward is
-    -1 once B(0) has run. ValueError naming the op on any broken rule. With with_state, a fourth
+    -1 once B(0) has run. ValueError naming the op on any broken rule; one rule is the
+    executor's: the loss's backward B(L) follows its forward FA(L) at once (the user computes
+    the loss, then calls backward). With with_state, a fourth
     item: the state after the last op, as (present x indices, checkpoint-marked indices, taped
     indices, next_backward), tuples of indices."""
-    c = Chain(stages, output_bytes)
+    c = Chain(stages, output_bytes, loss)
     L, a, tape = c.L, c.a, c.tape
     x = [False] * (L + 1)       # x_k present
     ck = [False] * (L + 1)      # x_k marked as a checkpoint (FC), until B(k)
@@ -111,6 +123,8 @@ def replay(stages, ops, output_bytes=None, with_state=False):
         kind, i = _parse_op(n, op, L)
         if nb < 0:
             raise ValueError(f"op {n}: {kind}({i}) after B(0): the schedule is already complete")
+        if tp[L] and nb == L and kind != "B":
+            raise ValueError(f"op {n}: {kind}({i}) between the loss's FA({L}) and B({L})")
         # delta_{L+1} has size a[L+1] = 0
         cur = sum(a[k] for k in range(L + 1) if x[k]) + sum(tape[k] for k in range(L + 1) if tp[k]) + a[nb + 1]
         if kind == "B":
@@ -127,7 +141,7 @@ def replay(stages, ops, output_bytes=None, with_state=False):
             continue
         if not x[i]:
             raise ValueError(f"op {n}: {kind}({i}) needs x_{i} present")
-        peak = max(peak, cur + a[i + 1] + c.ft[i] + (tape[i] if kind == "FA" else 0))
+        peak = max(peak, cur + a[i + 1] + (tape[i] + c.fat[i] if kind == "FA" else c.ft[i]))
         time += c.f[i]
         if kind == "FA":
             tp[i] = True
@@ -153,7 +167,7 @@ def replay(stages, ops, output_bytes=None, with_state=False):
 # popped its time is optimal.
 # ---------------------------------------------------------------------------------------------
 
-def exhaustive(stages, budget, output_bytes=None, max_states=5_000_000, return_stats=False):
+def exhaustive(stages, budget, output_bytes=None, max_states=5_000_000, return_stats=False, loss=None):
     """Least-time valid schedule with peak <= budget over all op sequences: (time, ops) or None.
 
     Raises SearchLimit after max_states expansions. With return_stats, returns
@@ -165,8 +179,8 @@ def exhaustive(stages, budget, output_bytes=None, max_states=5_000_000, return_s
     - FA(i) with tape_i already present leads to the same state as FN(i) at the same cost and a
       higher peak, so it is skipped.
     """
-    c = Chain(stages, output_bytes)
-    L, a, tape, f, b, ft, bt = c.L, c.a, c.tape, c.f, c.b, c.ft, c.bt
+    c = Chain(stages, output_bytes, loss)
+    L, a, tape, f, b, ft, bt, fat = c.L, c.a, c.tape, c.f, c.b, c.ft, c.bt, c.fat
     nbits = L + 1
     size = 1 << nbits
     xsum = [0] * size
@@ -220,22 +234,22 @@ def exhaustive(stages, budget, output_bytes=None, max_states=5_000_000, return_s
         bit = 1 << nb
         if (tpm & bit) and (xm & bit) and cur + a[nb] + bt[nb] <= budget:
             succ.append((xm & ~bit, ckm & ~bit, tpm & ~bit, nb - 1, b[nb], ("B", nb)))
-        # Forwards on every present x_i (present implies i <= nb).
-        m = xm
+        # Forwards on every present x_i (present implies i <= nb); none between the loss's FA(L)
+        # and B(L).
+        m = 0 if (nb == L and tpm >> L & 1) else xm
         while m:
             bit = m & -m
             m ^= bit
             i = bit.bit_length() - 1
-            base = cur + a[i + 1] + ft[i]
-            if base > budget:
-                continue
+            base = cur + a[i + 1]
             outbit = (bit << 1) if i + 1 <= nb else 0
-            held = (ckm & bit) or (tpm & bit) or i == 0
-            nx = (xm if held else xm & ~bit) | outbit
-            succ.append((nx, ckm, tpm, nb, f[i], ("FN", i)))
-            if not held:
-                succ.append((xm | outbit, ckm | bit, tpm, nb, f[i], ("FC", i)))
-            if not (tpm & bit) and base + tape[i] <= budget:
+            if base + ft[i] <= budget:
+                held = (ckm & bit) or (tpm & bit) or i == 0
+                nx = (xm if held else xm & ~bit) | outbit
+                succ.append((nx, ckm, tpm, nb, f[i], ("FN", i)))
+                if not held:
+                    succ.append((xm | outbit, ckm | bit, tpm, nb, f[i], ("FC", i)))
+            if not (tpm & bit) and base + tape[i] + fat[i] <= budget:
                 succ.append((xm | outbit, ckm & ~bit, tpm | bit, nb, f[i], ("FA", i)))
         for nx, nck, ntp, nnb, cost, op in succ:
             nst = nx | nck << S | ntp << (2 * S) | (nnb + 1) << (3 * S)
@@ -258,14 +272,14 @@ INF = float("inf")
 
 
 def _make_opt(c):
-    L, a, tape, f, b, ft, bt = c.L, c.a, c.tape, c.f, c.b, c.ft, c.bt
+    L, a, tape, f, b, ft, bt, fat = c.L, c.a, c.tape, c.f, c.b, c.ft, c.bt, c.fat
     fsum = [0] + list(itertools.accumulate(f))          # fsum[k] = sum_{i<k} f_i
 
     @lru_cache(maxsize=None)
     def opt(i, l, m):
         """Opt(i, l, m) of the document as (time, choice); (INF, None) when infeasible."""
         if i == l:
-            if m >= max(2 * a[i + 1] + tape[i] + ft[i], a[i + 1] + tape[i] + a[i] + bt[i]):
+            if m >= max(2 * a[i + 1] + tape[i] + fat[i], a[i + 1] + tape[i] + a[i] + bt[i]):
                 return f[i] + b[i], ("base",)
             return INF, None
         best, what = INF, None
@@ -282,7 +296,7 @@ def _make_opt(c):
                         if t < best:
                             best, what = t, ("a", j)
         # (b) FA(i), schedule of [i+1..l], B(i)
-        if m >= a[l + 1] + a[i + 1] + tape[i] + ft[i] and m >= a[i + 1] + tape[i] + a[i] + bt[i]:
+        if m >= a[l + 1] + a[i + 1] + tape[i] + fat[i] and m >= a[i + 1] + tape[i] + a[i] + bt[i]:
             t = f[i] + opt(i + 1, l, m - tape[i] - a[i + 1])[0] + b[i]
             if t < best:
                 best, what = t, ("b",)
@@ -306,9 +320,9 @@ def _make_opt(c):
     return opt, rec
 
 
-def persistent_dp(stages, budget, output_bytes=None):
+def persistent_dp(stages, budget, output_bytes=None, loss=None):
     """The document's persistent DP at top level Opt(0, L, budget - a_0): (time, ops) or None."""
-    c = Chain(stages, output_bytes)
+    c = Chain(stages, output_bytes, loss)
     opt, rec = _make_opt(c)
     m = budget - c.a[0]
     t, what = opt(0, c.L, m)
@@ -319,31 +333,31 @@ def persistent_dp(stages, budget, output_bytes=None):
     return t, ops
 
 
-def min_budget(stages, output_bytes=None):
+def min_budget(stages, output_bytes=None, loss=None):
     """Least budget for which persistent_dp is feasible, by the min-peak form of the same DP:
 
-    P(i, i) = max(2 a_{i+1} + tape_i + ft_i, a_{i+1} + tape_i + a_i + bt_i)
+    P(i, i) = max(2 a_{i+1} + tape_i + fat_i, a_{i+1} + tape_i + a_i + bt_i)
     P(i, l) = min( min_{j=i+1..l} max(a_{l+1} + a_{i+1} + ft_i,
                                       max_{i<k<j} (a_{l+1} + a_k + a_{k+1} + ft_k),
                                       a_j + P(j, l), P(i, j-1)),
-                   max(a_{l+1} + a_{i+1} + tape_i + ft_i, a_{i+1} + tape_i + a_i + bt_i,
+                   max(a_{l+1} + a_{i+1} + tape_i + fat_i, a_{i+1} + tape_i + a_i + bt_i,
                        tape_i + a_{i+1} + P(i+1, l)) )
     result: a_0 + P(0, L). (Opt(i, l, m) is finite exactly when m >= P(i, l).)
     """
-    c = Chain(stages, output_bytes)
-    L, a, tape, ft, bt = c.L, c.a, c.tape, c.ft, c.bt
+    c = Chain(stages, output_bytes, loss)
+    L, a, tape, ft, bt, fat = c.L, c.a, c.tape, c.ft, c.bt, c.fat
 
     @lru_cache(maxsize=None)
     def P(i, l):
         if i == l:
-            return max(2 * a[i + 1] + tape[i] + ft[i], a[i + 1] + tape[i] + a[i] + bt[i])
+            return max(2 * a[i + 1] + tape[i] + fat[i], a[i + 1] + tape[i] + a[i] + bt[i])
         fwd = a[l + 1] + a[i + 1] + ft[i]
         best = INF
         for j in range(i + 1, l + 1):
             if j - 1 > i:
                 fwd = max(fwd, a[l + 1] + a[j - 1] + a[j] + ft[j - 1])
             best = min(best, max(fwd, a[j] + P(j, l), P(i, j - 1)))
-        chain = max(a[l + 1] + a[i + 1] + tape[i] + ft[i], a[i + 1] + tape[i] + a[i] + bt[i],
+        chain = max(a[l + 1] + a[i + 1] + tape[i] + fat[i], a[i + 1] + tape[i] + a[i] + bt[i],
                     tape[i] + a[i + 1] + P(i + 1, l))
         return min(best, chain)
 

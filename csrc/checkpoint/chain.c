@@ -8,21 +8,37 @@
 
 #include "../util/error.h"
 
-vram_status_t vram__chain_make(const vram_ckpt_stage_t *s, size_t L, uint64_t output_bytes, vram__chain_t *c) {
+static vram_status_t check_stage(const vram_ckpt_stage_t *s, const char *what, size_t i) {
+    if (!(s->fwd_time >= 0) || !(s->bwd_time >= 0) || isinf(s->fwd_time) || isinf(s->bwd_time))
+        return vram__fail(VRAM_ERR_INVALID_ARG, "%s %zu: times must be finite and >= 0", what, i);
+    if (s->saved_bytes < s->input_bytes)
+        return vram__fail(VRAM_ERR_INVALID_ARG, "%s %zu: saved_bytes (%llu) must include the input (input_bytes %llu)",
+                          what, i, (unsigned long long)s->saved_bytes, (unsigned long long)s->input_bytes);
+    if (s->saved_bytes > (1ull << 56) || s->fwd_tmp > (1ull << 56) || s->bwd_tmp > (1ull << 56) ||
+        s->fwd_all_tmp > (1ull << 56))
+        return vram__fail(VRAM_ERR_INVALID_ARG, "%s %zu: sizes above 2^56 bytes are absurd", what, i);
+    return VRAM_OK;
+}
+
+static void put_stage(vram__chain_t *c, size_t i, const vram_ckpt_stage_t *s) {
+    c->f[i] = s->fwd_time;
+    c->b[i] = s->bwd_time;
+    c->a[i] = s->input_bytes;
+    c->tape[i] = s->saved_bytes - s->input_bytes;
+    c->ft[i] = s->fwd_tmp;
+    c->bt[i] = s->bwd_tmp;
+    c->fat[i] = s->fwd_all_tmp;
+}
+
+vram_status_t vram__chain_make(const vram_ckpt_stage_t *s, size_t L, const vram_ckpt_stage_t *loss, vram__chain_t *c) {
     memset(c, 0, sizeof *c);
     if (L == 0 || !s) return vram__fail(VRAM_ERR_INVALID_ARG, "a chain needs at least one stage");
     if (L > 100000) return vram__fail(VRAM_ERR_INVALID_ARG, "a chain of %zu stages is too long (at most 100000)", L);
-    for (size_t i = 0; i < L; i++) {
-        if (!(s[i].fwd_time >= 0) || !(s[i].bwd_time >= 0) || isinf(s[i].fwd_time) || isinf(s[i].bwd_time))
-            return vram__fail(VRAM_ERR_INVALID_ARG, "stage %zu: times must be finite and >= 0", i);
-        if (s[i].saved_bytes < s[i].input_bytes)
-            return vram__fail(VRAM_ERR_INVALID_ARG,
-                              "stage %zu: saved_bytes (%llu) must include the input (input_bytes %llu)", i,
-                              (unsigned long long)s[i].saved_bytes, (unsigned long long)s[i].input_bytes);
-        if (s[i].saved_bytes > (1ull << 56) || s[i].fwd_tmp > (1ull << 56) || s[i].bwd_tmp > (1ull << 56))
-            return vram__fail(VRAM_ERR_INVALID_ARG, "stage %zu: sizes above 2^56 bytes are absurd", i);
-    }
-    if (output_bytes > (1ull << 56)) return vram__fail(VRAM_ERR_INVALID_ARG, "output_bytes above 2^56 is absurd");
+    vram_status_t rc;
+    for (size_t i = 0; i < L; i++)
+        if ((rc = check_stage(&s[i], "stage", i)) != VRAM_OK) return rc;
+    /* (the loss is stage L; "loss L" in a message names it by that index) */
+    if (loss && (rc = check_stage(loss, "loss, stage", L)) != VRAM_OK) return rc;
     c->L = L;
     c->f = calloc(L + 1, sizeof *c->f);
     c->b = calloc(L + 1, sizeof *c->b);
@@ -30,24 +46,19 @@ vram_status_t vram__chain_make(const vram_ckpt_stage_t *s, size_t L, uint64_t ou
     c->tape = calloc(L + 1, sizeof *c->tape);
     c->ft = calloc(L + 1, sizeof *c->ft);
     c->bt = calloc(L + 1, sizeof *c->bt);
-    if (!c->f || !c->b || !c->a || !c->tape || !c->ft || !c->bt) {
+    c->fat = calloc(L + 1, sizeof *c->fat);
+    if (!c->f || !c->b || !c->a || !c->tape || !c->ft || !c->bt || !c->fat) {
         vram__chain_free(c);
         return vram__fail(VRAM_ERR_HOST_MEMORY, "no host memory for a chain of %zu stages", L);
     }
-    for (size_t i = 0; i < L; i++) {
-        c->f[i] = s[i].fwd_time;
-        c->b[i] = s[i].bwd_time;
-        c->a[i] = s[i].input_bytes;
-        c->tape[i] = s[i].saved_bytes - s[i].input_bytes;
-        c->ft[i] = s[i].fwd_tmp;
-        c->bt[i] = s[i].bwd_tmp;
-    }
-    c->a[L] = output_bytes; /* the loss: everything else zero */
+    for (size_t i = 0; i < L; i++) put_stage(c, i, &s[i]);
+    if (loss) put_stage(c, L, loss);
+    else c->a[L] = s[L - 1].input_bytes; /* a free loss; everything else zero */
     return VRAM_OK;
 }
 
 void vram__chain_free(vram__chain_t *c) {
-    free(c->f), free(c->b), free(c->a), free(c->tape), free(c->ft), free(c->bt);
+    free(c->f), free(c->b), free(c->a), free(c->tape), free(c->ft), free(c->bt), free(c->fat);
     memset(c, 0, sizeof *c);
 }
 
@@ -91,7 +102,7 @@ vram_status_t vram__simulate(const vram__chain_t *c, const vram_ckpt_op_t *ops, 
         if (kind <= VRAM_CKPT_FWD_ALL) {
             if (!(st[i] & X)) BAD("op %zu: %s(%zu) needs x_%zu, which is not in memory", k, kind_names[kind], i, i);
             if (st[i] & DELTA) BAD("op %zu: %s(%zu) after BWD(%zu)", k, kind_names[kind], i, i);
-            uint64_t during = cur + c->a[i + 1] + c->ft[i] + (kind == VRAM_CKPT_FWD_ALL ? c->tape[i] : 0);
+            uint64_t during = cur + c->a[i + 1] + (kind == VRAM_CKPT_FWD_ALL ? c->tape[i] + c->fat[i] : c->ft[i]);
             if (during > peak) peak = during;
             time += c->f[i];
             if (kind == VRAM_CKPT_FWD_ALL) {
@@ -110,10 +121,15 @@ vram_status_t vram__simulate(const vram__chain_t *c, const vram_ckpt_op_t *ops, 
                 cur += c->a[i + 1];
             }
         } else {
-            /* LOSS is FWD_ALL(L) then BWD(L); BWD(i) needs tape_i, x_i and delta_{i+1}. */
+            /* LOSS is FWD_ALL(L) then BWD(L), back to back (the user's loss and its backward);
+             * BWD(i) needs tape_i, x_i and delta_{i+1}. */
             if (kind == VRAM_CKPT_LOSS) {
                 if (!(st[L] & X)) BAD("op %zu: LOSS needs x_%zu, which is not in memory", k, L);
                 if (next_bwd != L) BAD("op %zu: LOSS twice", k);
+                uint64_t fwd = cur + c->tape[L] + c->fat[L]; /* its output, a scalar, has size 0 */
+                if (fwd > peak) peak = fwd;
+                cur += c->tape[L];
+                time += c->f[L] + c->b[L];
             } else {
                 if (i != next_bwd) BAD("op %zu: BWD(%zu) out of order (expected %s%zu)", k, i,
                                        next_bwd == L ? "LOSS before BWD " : "BWD ", next_bwd == L ? L - 1 : next_bwd);

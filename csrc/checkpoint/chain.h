@@ -8,16 +8,18 @@
 
 #include "vramkit.h"
 
-/* Index k = 0..L+1 (L = number of stages; stage L is the loss, a[L+1] = 0). */
+/* Index k = 0..L+1 (L = number of stages; stage L is the loss, a[L+1] = 0: its output is a
+ * scalar). */
 typedef struct vram__chain {
     size_t L;
     double *f, *b;          /* L+1 */
     uint64_t *a;            /* L+2: a[k] = bytes of x_k (and of its gradient) */
-    uint64_t *tape, *ft, *bt; /* L+1 */
+    uint64_t *tape, *ft, *bt, *fat; /* L+1; fat: FWD_ALL's transient */
 } vram__chain_t;
 
-/* Validates the stages (saved >= input, finite non-negative times). */
-vram_status_t vram__chain_make(const vram_ckpt_stage_t *stages, size_t count, uint64_t output_bytes,
+/* Validates the stages and the loss (saved >= input, finite non-negative times); a NULL loss
+ * costs nothing and reads an output the size of the last stage's input. */
+vram_status_t vram__chain_make(const vram_ckpt_stage_t *stages, size_t count, const vram_ckpt_stage_t *loss,
                                vram__chain_t *out);
 void vram__chain_free(vram__chain_t *c);
 

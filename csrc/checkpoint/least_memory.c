@@ -60,9 +60,9 @@ vram_status_t vram__least_memory(const vram__chain_t *c, uint64_t *least, vram__
             uint64_t best;
             int32_t what = WHAT_CHAIN;
             if (d == 0) {
-                best = max2(2 * a[i + 1] + c->tape[i] + c->ft[i], bwd);
+                best = max2(2 * a[i + 1] + c->tape[i] + c->fat[i], bwd);
             } else {
-                best = max2(max2(a[l + 1] + a[i + 1] + c->tape[i] + c->ft[i], bwd),
+                best = max2(max2(a[l + 1] + a[i + 1] + c->tape[i] + c->fat[i], bwd),
                             c->tape[i] + a[i + 1] + t.need[AT(&t, i + 1, l)]);
                 uint64_t phase = a[l + 1] + a[i + 1] + c->ft[i];
                 for (size_t j = i + 1; j <= l; j++) {

@@ -21,7 +21,7 @@
 typedef struct table {
     size_t L, M; /* stages 0..L (L is the loss), memory 0..M slots */
     double *f, *b;
-    int64_t *a, *tape, *ft, *bt; /* in slots */
+    int64_t *a, *tape, *ft, *bt, *fat; /* in slots */
     double *opt;
     int16_t *what; /* j for (a), WHAT_CHAIN for (b), WHAT_NONE when infeasible */
 } table_t;
@@ -44,14 +44,14 @@ static void fill(table_t *t) {
             for (int64_t m = 0; m <= M; m++) best[m] = INFINITY, what[m] = WHAT_NONE;
             int64_t bwd_need = a[i + 1] + t->tape[i] + a[i] + t->bt[i];
             if (d == 0) {
-                int64_t need = 2 * a[i + 1] + t->tape[i] + t->ft[i];
+                int64_t need = 2 * a[i + 1] + t->tape[i] + t->fat[i];
                 if (bwd_need > need) need = bwd_need;
                 for (int64_t m = need; m <= M; m++) best[m] = t->f[i] + t->b[i], what[m] = WHAT_CHAIN;
                 continue;
             }
             /* (b) chain: forward i keeping everything, solve [i+1..l], backward i */
             int64_t keep = t->tape[i] + a[i + 1];
-            int64_t from = a[l + 1] + keep + t->ft[i];
+            int64_t from = a[l + 1] + keep + t->fat[i];
             if (bwd_need > from) from = bwd_need;
             if (keep > from) from = keep;
             const double *sub = &t->opt[cell(t, i + 1, l, 0)];
@@ -113,10 +113,11 @@ vram_status_t vram__sched_optimal(const vram__chain_t *c, uint64_t budget, int s
     t.tape = malloc(n * sizeof *t.tape);
     t.ft = malloc(n * sizeof *t.ft);
     t.bt = malloc(n * sizeof *t.bt);
+    t.fat = malloc(n * sizeof *t.fat);
     t.opt = malloc(pairs * (t.M + 1) * sizeof *t.opt);
     t.what = malloc(pairs * (t.M + 1) * sizeof *t.what);
     vram_status_t rc = VRAM_OK;
-    if (!t.a || !t.tape || !t.ft || !t.bt || !t.opt || !t.what) {
+    if (!t.a || !t.tape || !t.ft || !t.bt || !t.fat || !t.opt || !t.what) {
         rc = vram__fail(VRAM_ERR_HOST_MEMORY, "no host memory for the planning table (%zu stages x %zu slots)", c->L,
                         t.M);
         goto done;
@@ -126,6 +127,7 @@ vram_status_t vram__sched_optimal(const vram__chain_t *c, uint64_t budget, int s
         t.tape[k] = k <= c->L ? slots_of(c->tape[k], unit) : 0;
         t.ft[k] = k <= c->L ? slots_of(c->ft[k], unit) : 0;
         t.bt[k] = k <= c->L ? slots_of(c->bt[k], unit) : 0;
+        t.fat[k] = k <= c->L ? slots_of(c->fat[k], unit) : 0;
     }
     int64_t top = (int64_t)t.M - t.a[0];
     if (top < 0) {
@@ -140,6 +142,6 @@ vram_status_t vram__sched_optimal(const vram__chain_t *c, uint64_t budget, int s
     }
     rebuild(&t, 0, c->L, top, out);
 done:
-    free(t.a), free(t.tape), free(t.ft), free(t.bt), free(t.opt), free(t.what);
+    free(t.a), free(t.tape), free(t.ft), free(t.bt), free(t.fat), free(t.opt), free(t.what);
     return rc;
 }

@@ -12,21 +12,21 @@ static vram_status_t replay_peak(const vram__chain_t *c, vram__oplist_t *ops, do
     return vram__simulate(c, ops->ops, ops->n, time, peak);
 }
 
-vram_status_t vram_ckpt_min_budget(const vram_ckpt_stage_t *stages, size_t count, uint64_t output_bytes,
+vram_status_t vram_ckpt_min_budget(const vram_ckpt_stage_t *stages, size_t count, const vram_ckpt_stage_t *loss,
                                    uint64_t *out) {
     if (!out) return vram__fail(VRAM_ERR_INVALID_ARG, "out is NULL");
     vram__chain_t c;
-    vram_status_t rc = vram__chain_make(stages, count, output_bytes, &c);
+    vram_status_t rc = vram__chain_make(stages, count, loss, &c);
     if (rc == VRAM_OK) rc = vram__least_memory(&c, out, NULL);
     vram__chain_free(&c);
     return rc;
 }
 
-vram_status_t vram_ckpt_simulate(const vram_ckpt_stage_t *stages, size_t count, uint64_t output_bytes,
+vram_status_t vram_ckpt_simulate(const vram_ckpt_stage_t *stages, size_t count, const vram_ckpt_stage_t *loss,
                                  const vram_ckpt_op_t *ops, size_t num_ops, double *time, uint64_t *peak) {
     if (!time || !peak || (num_ops && !ops)) return vram__fail(VRAM_ERR_INVALID_ARG, "ops, time and peak must not be NULL");
     vram__chain_t c;
-    vram_status_t rc = vram__chain_make(stages, count, output_bytes, &c);
+    vram_status_t rc = vram__chain_make(stages, count, loss, &c);
     if (rc == VRAM_OK) rc = vram__simulate(&c, ops, num_ops, time, peak);
     vram__chain_free(&c);
     return rc;
@@ -104,7 +104,7 @@ static vram_status_t keep_best_baseline(const vram__chain_t *c, uint64_t budget,
     return VRAM_OK;
 }
 
-vram_status_t vram_ckpt_plan(const vram_ckpt_stage_t *stages, size_t count, uint64_t output_bytes, uint64_t budget,
+vram_status_t vram_ckpt_plan(const vram_ckpt_stage_t *stages, size_t count, const vram_ckpt_stage_t *loss, uint64_t budget,
                              vram_ckpt_algorithm_t algorithm, int segments, int slots, vram_ckpt_schedule_t **out,
                              uint64_t *min_budget) {
     if (!out) return vram__fail(VRAM_ERR_INVALID_ARG, "out is NULL");
@@ -115,7 +115,7 @@ vram_status_t vram_ckpt_plan(const vram_ckpt_stage_t *stages, size_t count, uint
         return vram__fail(VRAM_ERR_INVALID_ARG, "unknown algorithm %d (allowed: optimal, revolve, sqrt, segments, none)",
                           (int)algorithm);
     vram__chain_t c;
-    vram_status_t rc = vram__chain_make(stages, count, output_bytes, &c);
+    vram_status_t rc = vram__chain_make(stages, count, loss, &c);
     if (rc != VRAM_OK) return rc;
     if (algorithm == VRAM_CKPT_SEGMENTS && (segments < 1 || (size_t)segments > count)) {
         vram__chain_free(&c);

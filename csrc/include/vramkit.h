@@ -443,11 +443,12 @@ VRAM_API VRAM_NODISCARD vram_status_t vram_set_simd_path(const char *path);
  *
  * The execution model (docs/checkpoint_model.md): stage i reads x_i (input_bytes) and
  * writes x_{i+1}; its backward needs saved_bytes (its input plus what autograd saves). The
- * loss follows stage L-1 and reads x_L (output_bytes). A schedule is a sequence of
+ * loss is stage L: it reads x_L (its input_bytes) and keeps its own saved tensors until its
+ * backward, which follows its forward at once. A schedule is a sequence of
  *   FWD_NOSAVE(i)  forward under no_grad, x_i dropped afterwards (unless kept below);
  *   FWD_CHECK(i)   forward under no_grad, x_i kept as a checkpoint until BWD(i);
  *   FWD_ALL(i)     forward with autograd, keeping what BWD(i) needs;
- *   LOSS           the loss and its gradient;
+ *   LOSS           the loss and its gradient (its forward and backward, back to back);
  *   BWD(i)         backward of stage i (requires a FWD_ALL(i) since the last BWD(i+1)).
  * The simulator replays a schedule and returns its time and exact peak bytes; every planner's
  * output is replayed by it, so predicted figures never come from the planner's own estimate.
@@ -457,7 +458,9 @@ typedef struct vram_ckpt_stage {
     double fwd_time, bwd_time; /* any unit; >= 0 */
     uint64_t input_bytes;      /* x_i */
     uint64_t saved_bytes;      /* what the backward needs, input included: >= input_bytes */
-    uint64_t fwd_tmp, bwd_tmp; /* transient memory during the forward / backward */
+    uint64_t fwd_tmp, bwd_tmp; /* transient memory during a forward that saves nothing / the backward */
+    uint64_t fwd_all_tmp;      /* transient memory during a saving forward (FWD_ALL), beyond what it
+                                * saves: what a no-grad forward frees as it goes is often kept then */
 } vram_ckpt_stage_t;
 
 typedef enum vram_ckpt_op_kind {
@@ -488,7 +491,12 @@ typedef struct vram_ckpt_schedule {
     uint64_t predicted_peak; /* exact peak bytes, x_0 included */
 } vram_ckpt_schedule_t;
 
-/* Plan a schedule for `count` stages (count >= 1) followed by a loss reading output_bytes.
+/* Plan a schedule for `count` stages (count >= 1) followed by a loss. `loss` is the loss as
+ * one more stage: input_bytes is the size of the chain's output (the loss input, and its
+ * gradient), saved_bytes what the loss keeps for its backward (input included), fwd_tmp and
+ * bwd_tmp its transients, and its times; its output is a scalar (size 0), and its forward and
+ * backward run back to back (the LOSS op). NULL: a loss that costs nothing and reads an output
+ * the size of the last stage's input.
  * budget: bytes (x_0 included); 0 means no limit for the fixed algorithms (SQRT, SEGMENTS,
  * NONE, and REVOLVE with as many snapshots as stages). slots: the memory discretisation of
  * OPTIMAL (sizes are rounded up to budget/slots, so a plan never exceeds the budget);
@@ -496,17 +504,17 @@ typedef struct vram_ckpt_schedule {
  * algorithm fits; the message and *min_budget (if not NULL) give the least budget that works
  * for it. */
 VRAM_API VRAM_NODISCARD vram_status_t vram_ckpt_plan(const vram_ckpt_stage_t *stages, size_t count,
-                                                    uint64_t output_bytes, uint64_t budget,
+                                                    const vram_ckpt_stage_t *loss, uint64_t budget,
                                                     vram_ckpt_algorithm_t algorithm, int segments, int slots,
                                                     vram_ckpt_schedule_t **out, uint64_t *min_budget);
 VRAM_API void vram_ckpt_schedule_free(vram_ckpt_schedule_t *schedule);
 /* Replay a schedule: VRAM_ERR_INVALID_ARG (naming the op) if it breaks a rule. */
 VRAM_API VRAM_NODISCARD vram_status_t vram_ckpt_simulate(const vram_ckpt_stage_t *stages, size_t count,
-                                                        uint64_t output_bytes, const vram_ckpt_op_t *ops,
+                                                        const vram_ckpt_stage_t *loss, const vram_ckpt_op_t *ops,
                                                         size_t num_ops, double *time, uint64_t *peak);
 /* The least budget any (persistent) schedule needs, exact in bytes. */
 VRAM_API VRAM_NODISCARD vram_status_t vram_ckpt_min_budget(const vram_ckpt_stage_t *stages, size_t count,
-                                                          uint64_t output_bytes, uint64_t *out);
+                                                          const vram_ckpt_stage_t *loss, uint64_t *out);
 
 #ifdef __cplusplus
 }

@@ -29,7 +29,7 @@ from torch import nn
 from . import checkpoint as _ck
 from .torch import LiveMeter, track
 
-__all__ = ["Sequential", "checkpoint_sequential", "profile"]
+__all__ = ["Sequential", "checkpoint_sequential", "profile", "profile_loss"]
 
 _ENGINE = torch.autograd.variable.Variable._execution_engine
 
@@ -108,7 +108,9 @@ class _RngState:
 # ----------------------------------------------------------------------------- profile
 
 
-def _profile(fns: list, sample_input: torch.Tensor, repeats: int = 3) -> tuple[list, int]:
+def _profile(fns: list, sample_input: torch.Tensor, repeats: int = 3, loss_fn: Any = None) -> tuple:
+    """(stages, output bytes, keep_out per stage, loss Stage or None): the loss, when given, is
+    measured as one more stage whose input is the chain's output."""
     if not isinstance(sample_input, torch.Tensor):
         raise TypeError(f"sample_input must be a Tensor, got {type(sample_input).__name__}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -120,13 +122,16 @@ def _profile(fns: list, sample_input: torch.Tensor, repeats: int = 3) -> tuple[l
     stages = []
     keep_out: list[bool] = []  # per stage: autograd saves the output (or it aliases the input)
     x = sample_input.detach()
+    out_bytes = 0
     try:
-        for i, fn in enumerate(fns):
+        for i, fn in enumerate(fns + ([loss_fn] if loss_fn is not None else [])):
+            if i == len(fns):
+                out_bytes = _storage_bytes(x)
             a_i = _storage_bytes(x)
             params = [p for p in (fn.parameters() if isinstance(fn, nn.Module) else ()) if p.requires_grad]
             # forward timing and transient memory without saving
             fwd_times = []
-            fwd_tmp = 0
+            fwd_tmp = fwd_tmp_nograd = 0
             for r in range(repeats):
                 with torch.no_grad(), track() as m:
                     _sync(x)
@@ -135,7 +140,7 @@ def _profile(fns: list, sample_input: torch.Tensor, repeats: int = 3) -> tuple[l
                     _sync(y)
                     fwd_times.append(time.perf_counter() - t0)
                     out_new = _storage_bytes(y) if y.untyped_storage().data_ptr() in m._live else 0
-                    fwd_tmp = max(fwd_tmp, m.peak - out_new)
+                    fwd_tmp_nograd = max(fwd_tmp_nograd, m.peak - out_new)
                     del y
             # the saved tensors, and the transient memory of the saving forward
             saved: dict[int, int] = {}
@@ -181,16 +186,28 @@ def _profile(fns: list, sample_input: torch.Tensor, repeats: int = 3) -> tuple[l
                 del y
             with torch.no_grad():
                 y = fn(x)
+            # Two forward transients: a no-grad forward's (what it frees as it goes), and a saving
+            # forward's beyond what it saves (often much less: the same intermediates are kept).
+            # The loss only ever runs saving. Its output (a scalar, which the model gives size 0)
+            # lives through its backward, so it is counted with what the loss keeps.
+            extra = 0
+            if i == len(fns):
+                fwd_tmp_nograd = fwd_tmp
+                extra = _storage_bytes(y)
             stages.append(_ck.Stage(float(statistics.median(fwd_times)), float(statistics.median(bwd_times)), a_i,
-                                    a_i + sum(saved.values()), int(max(0, fwd_tmp)), int(max(0, bwd_tmp))))
+                                    a_i + sum(saved.values()) + extra, int(max(0, fwd_tmp_nograd)),
+                                    int(max(0, bwd_tmp)), int(max(0, fwd_tmp))))
             x = y.detach()
-        out_bytes = _storage_bytes(x)
+        if loss_fn is None:
+            out_bytes = _storage_bytes(x)
     finally:
         rng.restore()
         with torch.no_grad():
             for b, v in buffers:
                 b.copy_(v)
-    return stages, out_bytes, keep_out
+    if loss_fn is not None:
+        return stages[:-1], out_bytes, keep_out[:-1], stages[-1]
+    return stages, out_bytes, keep_out, None
 
 
 def profile(modules: Any, sample_input: torch.Tensor, repeats: int = 3) -> list:
@@ -200,6 +217,15 @@ def profile(modules: Any, sample_input: torch.Tensor, repeats: int = 3) -> list:
     transient bytes measured with ``vramkit.torch.track`` (``bwd_tmp`` includes the parameter
     gradients of the stage). RNG state and module buffers are restored afterwards."""
     return _profile(_as_functions(modules), sample_input, repeats)[0]
+
+
+def profile_loss(loss_fn: Callable, sample_output: torch.Tensor, repeats: int = 3) -> Any:
+    """Measure a loss function (``output -> scalar``) on a sample of the chain's output, as a
+    ``Stage`` to pass to ``plan(..., loss=...)``: its ``saved_bytes`` includes what it keeps for
+    its backward (cross-entropy keeps a softmax the size of the logits)."""
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (output -> scalar loss), got {type(loss_fn).__name__}")
+    return _profile([], sample_output, repeats, loss_fn)[3]
 
 
 # ----------------------------------------------------------------------------- executor
@@ -248,7 +274,10 @@ class _Runner:
                 inp.requires_grad_(True)
             with torch.enable_grad():
                 y = self._run_stage(i, inp)
-            self.held[i] = (inp, y)
+            # The gradient edge is taken now: releasing a view's storage later bumps its version,
+            # after which autograd would rebuild y.grad_fn for the new (empty) shape.
+            edge = torch.autograd.graph.get_gradient_edge(y) if y.requires_grad else None
+            self.held[i] = (inp, y, edge)
             if (i + 1) in self.backward_done:
                 self._release_output(i)
         else:
@@ -262,14 +291,14 @@ class _Runner:
             self.x[i + 1] = y
 
     def _backward(self, i: int) -> None:
-        inp, y = self.held.pop(i)
+        inp, y, edge = self.held.pop(i)
         d = self.delta.pop(i + 1)
         grad = None
-        if d is not None and y.requires_grad:
-            # the engine directly: y's data may have been released (_release_output)
-            _ENGINE.run_backward((y,), (d,), False, False, (), allow_unreachable=True, accumulate_grad=True)
+        if d is not None and edge is not None:
+            # the engine directly, from the edge: y's data may have been released (_release_output)
+            _ENGINE.run_backward((edge,), (d,), False, False, (), allow_unreachable=True, accumulate_grad=True)
             grad = inp.grad
-        del y
+        del y, edge
         if grad is None and inp.requires_grad:
             grad = torch.zeros_like(inp)
         self.x.pop(i, None)
@@ -290,13 +319,18 @@ class _Runner:
         allocator reuses addresses, and a stale match once kept one activation alive at random."""
         if self.keep_out[i]:
             return
-        inp, y = self.held[i]
+        inp, y, _ = self.held[i]
         ptr = y.untyped_storage().data_ptr()
         if ptr == 0 or ptr == inp.untyped_storage().data_ptr():
             return
-        # y keeps its grad_fn (recorded shapes are in the graph), its storage goes
+        # y's gradient edge is kept (recorded shapes are in the graph), its storage goes. A view
+        # (a Linear on 3-d input returns one) keeps its base alive, so the base lets go too: it is
+        # an intermediate of this stage on the same storage, which autograd did not save.
         with torch.no_grad():
+            base = y._base
             y.set_()
+            if base is not None and base.untyped_storage().data_ptr() == ptr:
+                base.set_()
 
     def run_forward(self, x0: torch.Tensor) -> torch.Tensor:
         self.device = x0.device
@@ -312,12 +346,24 @@ class _Runner:
                 raise RuntimeError("vramkit.checkpoint: a backward op before the loss in the schedule")
             self._forward(op.kind, op.stage)
 
+    def take_output_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """Hook on the chain's output: keep its gradient here and hand the engine a stand-in of
+        the same shape on a one-element storage. The engine holds the arguments of a Function's
+        backward until it returns, so a gradient passed that way would stay allocated through
+        the whole schedule; kept here, it is freed once the last stage's backward has used it,
+        as the model says."""
+        self.output_grad = grad
+        return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+
     def run_backward(self, grad_out: torch.Tensor) -> Any:
         if self.used:
             raise RuntimeError("vramkit.checkpoint: trying to backward through the checkpointed chain a second "
                                "time; its schedule has already run (retain_graph is not supported)")
         self.used = True
-        self.delta[self.L] = grad_out
+        taken = getattr(self, "output_grad", None)
+        self.output_grad = None
+        self.delta[self.L] = taken if taken is not None else grad_out
+        del taken, grad_out
         with torch.enable_grad():
             while self.pos < len(self.ops):
                 op = self.ops[self.pos]
@@ -358,29 +404,31 @@ def _execute(fns: list, planned: Any, x0: torch.Tensor) -> torch.Tensor:
     schedule, keep_out = planned
     runner = _Runner(fns, schedule, keep_out)
     dummy = torch.empty((0,), device=x0.device, requires_grad=True)
-    return _CheckpointFunction.apply(runner, dummy, x0)
+    out = _CheckpointFunction.apply(runner, dummy, x0)
+    out.register_hook(runner.take_output_grad)
+    return out
 
 
-def _resolve_budget(budget: Any, stages: list, out_bytes: int) -> int:
+def _resolve_budget(budget: Any, stages: list, out_bytes: int, loss: Any = None) -> int:
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise TypeError(f"budget must be bytes (int) or a fraction (float in (0, 1]), got {budget!r}")
     if isinstance(budget, float):
         if not (0.0 < budget <= 1.0) or not math.isfinite(budget):
             raise ValueError(f"a fractional budget must be in (0, 1], got {budget!r}")
-        full = _ck.plan(stages, None, "none", output_bytes=out_bytes).predicted_peak
+        full = _ck.plan(stages, None, "none", output_bytes=out_bytes, loss=loss).predicted_peak
         return max(1, int(math.floor(budget * full)))
     if budget <= 0:
         raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
     return int(budget)
 
 
-def _plan(fns: list, x: torch.Tensor, budget: Any, algorithm: str, repeats: int = 3) -> Any:
-    stages, out_bytes, keep_out = _profile(fns, x, repeats)
-    nbytes = _resolve_budget(budget, stages, out_bytes)
+def _plan(fns: list, x: torch.Tensor, budget: Any, algorithm: str, loss_fn: Any = None, repeats: int = 3) -> Any:
+    stages, out_bytes, keep_out, loss = _profile(fns, x, repeats, loss_fn)
+    nbytes = _resolve_budget(budget, stages, out_bytes, loss)
     try:
-        return _ck.plan(stages, nbytes, algorithm, output_bytes=out_bytes), keep_out
+        return _ck.plan(stages, nbytes, algorithm, output_bytes=out_bytes, loss=loss), keep_out
     except _ck.BudgetTooSmallError as e:
-        full = _ck.plan(stages, None, "none", output_bytes=out_bytes).predicted_peak
+        full = _ck.plan(stages, None, "none", output_bytes=out_bytes, loss=loss).predicted_peak
         least = e.min_budget
         raise _ck.BudgetTooSmallError(
             f"budget {nbytes:,} bytes is below the minimum for this model and input: the least budget that works "
@@ -396,7 +444,7 @@ def _check_trainable(fns: list, x: torch.Tensor) -> None:
 
 
 def checkpoint_sequential(functions: Any, input: torch.Tensor, budget: Any = None, segments: int | None = None,
-                          algorithm: str = "optimal") -> torch.Tensor:
+                          algorithm: str = "optimal", loss_fn: Callable | None = None) -> torch.Tensor:
     """Run a sequential chain with activation checkpointing.
 
     ``segments=k``: as ``torch.utils.checkpoint.checkpoint_sequential`` (non-reentrant).
@@ -404,6 +452,8 @@ def checkpoint_sequential(functions: Any, input: torch.Tensor, budget: Any = Non
     of storing everything (as ``plan(..., "none")`` predicts); the chain is profiled once,
     planned with ``algorithm`` and executed; ``out.backward()`` (through any loss) runs the rest
     of the schedule. Raises ``BudgetTooSmallError`` when the budget is below the minimum.
+    ``loss_fn`` (output -> scalar), when given, is measured too, so the budget covers the memory
+    the loss keeps (cross-entropy's softmax); without it that memory comes on top of the budget.
     """
     if budget is not None and segments is not None:
         raise ValueError("give either budget= or segments=, not both")
@@ -415,22 +465,35 @@ def checkpoint_sequential(functions: Any, input: torch.Tensor, budget: Any = Non
     if segments is not None:
         if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= len(fns):
             raise ValueError(f"segments must be an int in 1..{len(fns)}, got {segments!r}")
+        if loss_fn is not None:
+            raise ValueError("loss_fn= only applies with budget= (segments= plans nothing)")
         return torch.utils.checkpoint.checkpoint_sequential(fns, segments, input, use_reentrant=False)
+    _check_loss_fn(loss_fn)
     if algorithm not in _ck.ALGORITHMS or algorithm in ("segments",):
         raise ValueError(f"algorithm must be one of optimal, revolve, sqrt, none with budget=, got {algorithm!r}")
     if not torch.is_grad_enabled():
         return _plain_forward(fns, input)
     _check_trainable(fns, input)
-    return _execute(fns, _plan(fns, input, budget, algorithm), input)
+    return _execute(fns, _plan(fns, input, budget, algorithm, loss_fn), input)
+
+
+def _check_loss_fn(loss_fn: Any) -> None:
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a callable (output -> scalar loss) or None, got {type(loss_fn).__name__}")
 
 
 class Sequential(nn.Sequential):
     """A drop-in for ``nn.Sequential`` that trains within ``budget`` (bytes, or a fraction in
     (0, 1] of the store-everything activation memory). It profiles and plans once per input
     (shape, dtype, device) and reuses the schedule; in eval/no-grad use it is a plain forward.
-    Parameter names are those of ``nn.Sequential`` ("0.weight", ...)."""
+    Parameter names are those of ``nn.Sequential`` ("0.weight", ...).
 
-    def __init__(self, modules: Any, budget: Any, algorithm: str = "optimal"):
+    ``loss_fn`` (output -> scalar), used only when planning, makes the budget cover the memory
+    the loss keeps too (cross-entropy keeps a softmax the size of the logits); it is called on
+    the output of the first input of each shape, so a loss reading a batch's targets must
+    accept that output."""
+
+    def __init__(self, modules: Any, budget: Any, algorithm: str = "optimal", loss_fn: Callable | None = None):
         if isinstance(modules, nn.Sequential):
             mods = list(modules.children())
         elif isinstance(modules, (list, tuple, nn.ModuleList)):
@@ -450,16 +513,18 @@ class Sequential(nn.Sequential):
             raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
         if algorithm not in ("optimal", "revolve", "sqrt", "none"):
             raise ValueError(f"algorithm must be one of optimal, revolve, sqrt, none, got {algorithm!r}")
+        _check_loss_fn(loss_fn)
         super().__init__(*mods)
         self.budget = budget
         self.algorithm = algorithm
+        self.loss_fn = loss_fn
         self._schedules: dict = {}
 
     def _planned(self, x: torch.Tensor) -> Any:
         key = (tuple(x.shape), x.dtype, x.device)
         planned = self._schedules.get(key)
         if planned is None:
-            planned = _plan(list(self), x, self.budget, self.algorithm)
+            planned = _plan(list(self), x, self.budget, self.algorithm, self.loss_fn)
             self._schedules[key] = planned
         return planned
 

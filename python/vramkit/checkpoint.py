@@ -41,7 +41,10 @@ class Stage:
     """One stage of a sequential chain. Times in any unit (seconds from ``profile``), sizes in bytes.
 
     ``saved_bytes`` is what the stage's backward needs, its input included (so it is at least
-    ``input_bytes``); ``fwd_tmp``/``bwd_tmp`` are transient bytes during the forward/backward.
+    ``input_bytes``); ``fwd_tmp``/``bwd_tmp`` are transient bytes during a forward that saves
+    nothing (a recomputation under no_grad) and during the backward; ``fwd_all_tmp`` is the
+    transient of a forward that saves, beyond what it saves (default: ``fwd_tmp``; usually less,
+    since what a no-grad forward frees as it goes is kept then).
     """
 
     fwd_time: float
@@ -50,13 +53,16 @@ class Stage:
     saved_bytes: int
     fwd_tmp: int = 0
     bwd_tmp: int = 0
+    fwd_all_tmp: int | None = None
 
     def __post_init__(self) -> None:
+        if self.fwd_all_tmp is None:
+            object.__setattr__(self, "fwd_all_tmp", self.fwd_tmp)
         for name in ("fwd_time", "bwd_time"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"Stage.{name} must be a finite number >= 0, got {v!r}")
-        for name in ("input_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp"):
+        for name in ("input_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp", "fwd_all_tmp"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"Stage.{name} must be an int >= 0 (bytes), got {v!r}")
@@ -66,7 +72,7 @@ class Stage:
 
     def as_tuple(self) -> tuple:
         return (float(self.fwd_time), float(self.bwd_time), self.input_bytes, self.saved_bytes, self.fwd_tmp,
-                self.bwd_tmp)
+                self.bwd_tmp, self.fwd_all_tmp)
 
 
 @dataclass(frozen=True)
@@ -121,17 +127,34 @@ def _stage_tuples(stages: Iterable[Any]) -> list[tuple]:
     return out
 
 
-def _output_bytes(tuples: Sequence[tuple], output_bytes: int | None) -> int:
-    if output_bytes is None:
-        return tuples[-1][2]  # the chain's output is taken to be the size of the last stage's input
-    if isinstance(output_bytes, bool) or not isinstance(output_bytes, int) or output_bytes < 0:
+def _loss_tuple(tuples: Sequence[tuple], output_bytes: int | None, loss: Any) -> tuple:
+    """The loss as one more stage. Without ``loss`` it costs nothing and keeps nothing, and
+    reads an output of ``output_bytes`` (default: the size of the last stage's input)."""
+    if output_bytes is not None and (isinstance(output_bytes, bool) or not isinstance(output_bytes, int)
+                                     or output_bytes < 0):
         raise ValueError(f"output_bytes must be an int >= 0, got {output_bytes!r}")
-    return output_bytes
+    if loss is None:
+        out = tuples[-1][2] if output_bytes is None else output_bytes
+        return (0.0, 0.0, out, out, 0, 0, 0)
+    if not isinstance(loss, Stage):
+        try:
+            loss = Stage(*loss) if isinstance(loss, (tuple, list)) else Stage(**loss)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"loss: {e}") from None
+    if output_bytes is not None and output_bytes != loss.input_bytes:
+        raise ValueError(f"output_bytes ({output_bytes}) and loss.input_bytes ({loss.input_bytes}) disagree: both "
+                         "are the size of the chain's output; give one")
+    return loss.as_tuple()
 
 
 def plan(stages: Sequence[Stage], budget: int | None, algorithm: str = "optimal", slots: int = 500,
-         segments: int | None = None, output_bytes: int | None = None) -> Schedule:
+         segments: int | None = None, output_bytes: int | None = None, loss: Stage | None = None) -> Schedule:
     """The schedule of ``algorithm`` for ``stages`` within ``budget`` bytes (chain input included).
+
+    ``loss`` is the loss function as one more ``Stage`` (``input_bytes`` the chain's output,
+    ``saved_bytes`` what it keeps for its backward, e.g. cross-entropy's softmax; see
+    ``profile_loss``), so the budget covers its memory too; without it the loss is free and
+    reads ``output_bytes`` (default: the last stage's ``input_bytes``).
 
     ``budget=None`` is allowed for the fixed algorithms ("none", "sqrt", "segments", and
     "revolve" with a snapshot per stage). ``slots`` discretises memory for "optimal" (sizes round
@@ -139,7 +162,7 @@ def plan(stages: Sequence[Stage], budget: int | None, algorithm: str = "optimal"
     carrying ``min_budget``) when nothing fits.
     """
     tuples = _stage_tuples(stages)
-    out_bytes = _output_bytes(tuples, output_bytes)
+    loss_t = _loss_tuple(tuples, output_bytes, loss)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r} (allowed: {', '.join(ALGORITHMS)})")
     if budget is None:
@@ -157,7 +180,7 @@ def plan(stages: Sequence[Stage], budget: int | None, algorithm: str = "optimal"
         raise ValueError("segments= only applies to algorithm='segments'")
     if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 100_000:
         raise ValueError(f"slots must be an int in 1..100000, got {slots!r}")
-    result = _C.ckpt_plan(tuples, out_bytes, budget, ALGORITHMS[algorithm], segments or 0, slots)
+    result = _C.ckpt_plan(tuples, loss_t, budget, ALGORITHMS[algorithm], segments or 0, slots)
     if result[0] is None:
         _, least, why = result
         raise BudgetTooSmallError(f"{algorithm}: {why}; the least budget that works is {least:,} bytes", least,
@@ -166,27 +189,28 @@ def plan(stages: Sequence[Stage], budget: int | None, algorithm: str = "optimal"
     return Schedule(tuple(Op(OP_NAMES[k], s) for k, s in ops), time, peak, algorithm, budget, len(tuples))
 
 
-def simulate(stages: Sequence[Stage], ops: Iterable[Any], output_bytes: int | None = None) -> tuple[float, int]:
+def simulate(stages: Sequence[Stage], ops: Iterable[Any], output_bytes: int | None = None,
+             loss: Stage | None = None) -> tuple[float, int]:
     """Replay ops ((kind, stage) pairs or Op) through the C simulator: (time, peak bytes)."""
     tuples = _stage_tuples(stages)
     pairs = []
     for op in ops:
         kind, stage = (op.kind, op.stage) if isinstance(op, Op) else op
         pairs.append((OP_NAMES.index(kind) if isinstance(kind, str) else int(kind), int(stage)))
-    return _C.ckpt_simulate(tuples, _output_bytes(tuples, output_bytes), pairs)
+    return _C.ckpt_simulate(tuples, _loss_tuple(tuples, output_bytes, loss), pairs)
 
 
-def min_budget(stages: Sequence[Stage], output_bytes: int | None = None) -> int:
+def min_budget(stages: Sequence[Stage], output_bytes: int | None = None, loss: Stage | None = None) -> int:
     """The least budget (bytes) any schedule needs; ``plan`` succeeds at exactly this budget."""
     tuples = _stage_tuples(stages)
-    return _C.ckpt_min_budget(tuples, _output_bytes(tuples, output_bytes))
+    return _C.ckpt_min_budget(tuples, _loss_tuple(tuples, output_bytes, loss))
 
 
-_TORCH_NAMES = ("profile", "checkpoint_sequential", "Sequential")
+_TORCH_NAMES = ("profile", "profile_loss", "checkpoint_sequential", "Sequential")
 
 
 def __getattr__(name: str) -> Any:
-    """``profile``, ``checkpoint_sequential`` and ``Sequential`` load torch on first use."""
+    """``profile``, ``profile_loss``, ``checkpoint_sequential`` and ``Sequential`` load torch on first use."""
     if name in _TORCH_NAMES:
         from . import _ckpt_torch
         return getattr(_ckpt_torch, name)

@@ -43,6 +43,7 @@ def test_bundled_example(tmp_path):
     assert float(m.group(2)) < float(m.group(1)) and 0 < int(m.group(3)) < int(m.group(4))
     assert "Peak allocated:" in out and "Peak reserved:" in out
     assert "numpy_pipeline.py:" in out  # allocation sites point into the example
+    check_checkpoint_part(out)
     assert "https://pytorch.org/memory_viz" in out
     snapshot_path, html_path = tmp_path / "vramkit-snapshot.pickle", tmp_path / "vramkit-timeline.html"
     assert str(snapshot_path) in out and str(html_path) in out
@@ -53,6 +54,29 @@ def test_bundled_example(tmp_path):
     assert snapshot["segments"]
     page = html_path.read_text(encoding="utf-8")
     assert "<svg" in page and "numpy_pipeline.py" in page
+
+
+def check_checkpoint_part(out: str) -> None:
+    """The example's second part: a torch MLP trained with a planned checkpoint schedule."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        assert "activation checkpointing part skipped: PyTorch is not installed" in out
+        return
+    assert "activation checkpointing: 24 residual MLP blocks" in out, out
+    assert re.search(r"plan \(profiled and planned in [0-9.]+ s\): Schedule\(optimal, 24 stages", out), out
+    m = re.search(r"(\d+) stage forwards recomputed; predicted peak ([0-9.]+) MiB within a budget of ([0-9.]+) MiB",
+                  out)
+    assert m and int(m.group(1)) > 0 and float(m.group(2)) <= float(m.group(3))
+    m = re.search(r"store everything: activation peak ([0-9.]+) MiB", out)
+    full = float(m.group(1))
+    m = re.search(r"vramkit plan: +activation peak ([0-9.]+) MiB", out)
+    assert float(m.group(1)) <= 0.3 * full * 1.02  # within the 30 % budget (the budget is the prediction's)
+    m = re.search(r"measured peak ([0-9,]+) B vs predicted ([0-9,]+) B; largest loss difference from storing "
+                  r"everything (\S+)", out)
+    measured, predicted = (int(g.replace(",", "")) for g in m.groups()[:2])
+    assert 0.9 * predicted <= measured <= predicted
+    assert float(m.group(3)) < 1e-4  # the same training, only recomputed
 
 
 BIG_SCRIPT = textwrap.dedent("""

@@ -22,8 +22,15 @@ def random_chain(rng: random.Random, L: int, unit: int = 1) -> list[ck.Stage]:
     for _ in range(L):
         a = rng.randint(1, 8)
         stages.append(ck.Stage(rng.randint(1, 9), rng.randint(1, 9), a * unit, (a + rng.randint(0, 8)) * unit,
-                               rng.randint(0, 3) * unit, rng.randint(0, 3) * unit))
+                               rng.randint(0, 3) * unit, rng.randint(0, 3) * unit, rng.randint(0, 3) * unit))
     return stages
+
+
+def random_loss(rng: random.Random, unit: int = 1) -> ck.Stage:
+    """A loss with memory of its own: cross-entropy keeps a softmax the size of its input."""
+    a = rng.randint(1, 8)
+    return ck.Stage(rng.randint(0, 9), rng.randint(0, 9), a * unit, (a + rng.randint(0, 8)) * unit,
+                    rng.randint(0, 3) * unit, rng.randint(0, 8) * unit, rng.randint(0, 3) * unit)
 
 
 def as_ref(stages):
@@ -47,31 +54,38 @@ def test_optimal_equals_exhaustive_search_on_random_small_chains():
     for trial in range(300):
         L = rng.randint(1, 6 if trial % 10 else 8)
         stages = random_chain(rng, L)
-        least = ck.min_budget(stages)
-        full = ck.plan(stages, None, "none").predicted_peak
+        loss = random_loss(rng) if trial % 2 else None
+        ref_loss = loss.as_tuple() if loss else None
+        least = ck.min_budget(stages, loss=loss)
+        assert least == ref.min_budget(as_ref(stages), loss=ref_loss)
+        full = ck.plan(stages, None, "none", loss=loss).predicted_peak
         budget = rng.randint(least, max(least, full))
         # With sizes in whole bytes and as many slots as bytes, the discretisation is exact.
-        got = ck.plan(stages, budget, "optimal", slots=budget)
-        best = ref.exhaustive(as_ref(stages), budget)
+        got = ck.plan(stages, budget, "optimal", slots=budget, loss=loss)
+        best = ref.exhaustive(as_ref(stages), budget, loss=ref_loss)
         assert best is not None, "the exhaustive search found nothing where vramkit planned"
         assert got.predicted_peak <= budget
-        assert got.predicted_time == pytest.approx(best[0]), (stages, budget, got, best)
+        assert got.predicted_time == pytest.approx(best[0]), (stages, loss, budget, got, best)
+        if trial % 7 == 0:  # nothing fits below the least budget, even for the exhaustive search
+            assert ref.exhaustive(as_ref(stages), least - 1, loss=ref_loss) is None
         checked += 1
     assert checked == 300
 
 
 def test_predictions_are_what_the_independent_simulator_measures():
     rng = random.Random(7)
-    for _ in range(200):
-        stages = random_chain(rng, rng.randint(1, 12), unit=rng.choice([1, 1000, 4096]))
-        least = ck.min_budget(stages)
+    for trial in range(200):
+        unit = rng.choice([1, 1000, 4096])
+        stages = random_chain(rng, rng.randint(1, 12), unit=unit)
+        loss = random_loss(rng, unit) if trial % 2 else None
+        least = ck.min_budget(stages, loss=loss)
         budget = rng.randint(least, 3 * least)
         for algorithm in ("optimal", "revolve", "sqrt", "none"):
             try:
-                s = ck.plan(stages, budget if algorithm != "none" else None, algorithm)
+                s = ck.plan(stages, budget if algorithm != "none" else None, algorithm, loss=loss)
             except ck.BudgetTooSmallError:
                 continue
-            time, peak = ref.simulate(as_ref(stages), ops_of(s))
+            time, peak = ref.simulate(as_ref(stages), ops_of(s), loss=loss.as_tuple() if loss else None)
             assert (time, peak) == (pytest.approx(s.predicted_time), s.predicted_peak), algorithm
             if algorithm != "none":
                 assert s.predicted_peak <= budget
@@ -163,3 +177,24 @@ def test_schedule_repr_dict_and_argument_errors():
         ck.plan(stages, -5)
     with pytest.raises(ValueError, match="op 0: FWD_ALL.1. needs x_1"):
         ck.simulate(stages, [("forward_all", 1)])
+    with pytest.raises(ValueError, match=r"output_bytes \(7\) and loss.input_bytes \(10\) disagree"):
+        ck.plan(stages, 100, loss=ck.Stage(0, 0, 10, 20), output_bytes=7)
+    with pytest.raises(ValueError, match="loss: Stage.saved_bytes"):
+        ck.plan(stages, 100, loss=(0, 0, 10, 5))
+
+
+def test_the_loss_memory_counts_where_the_loss_runs():
+    # a chain whose loss keeps a softmax twice its input: the loss, not a stage, sets the peak
+    stages = [ck.Stage(1.0, 2.0, 100, 300)] * 3
+    free = ck.plan(stages, None, "none")
+    ce = ck.Stage(0.5, 0.5, 100, 300, 0, 400)
+    costly = ck.plan(stages, None, "none", loss=ce)
+    t, p = ref.simulate(as_ref(stages), ops_of(costly), loss=ce.as_tuple())
+    assert (costly.predicted_time, costly.predicted_peak) == (pytest.approx(t), p)
+    assert costly.predicted_time == pytest.approx(free.predicted_time + 1.0)
+    # store-everything: x_0 + 3 x (x_{i+1} + tape_i) = 100 + 3 * 300 = 1000 before the loss, whose
+    # forward adds its 200 saved bytes and whose backward adds the 100-byte gradient + 400 transient
+    assert free.predicted_peak < costly.predicted_peak == 1000 + 200 + 100 + 400
+    # least: a stage's backward needs x_0 + x_i + tape_i + delta_{i+1} + delta_i = 600; the loss's
+    # x_0 + x_3 + its tape + delta_3 + its transient = 900
+    assert ck.min_budget(stages) == 600 and ck.min_budget(stages, loss=ce) == 900

@@ -94,6 +94,7 @@ def test_fn_consumes_its_input_unless_held():
 @pytest.mark.parametrize("ops, message", [
     ([("FA", 1)], r"^op 0: FA\(1\) needs x_1 present"),
     ([("FA", 0), ("FA", 1), ("FA", 2), ("B", 1)], r"^op 3: B\(1\) out of order: the next backward must be B\(2\)"),
+    ([("FC", 0), ("FA", 1), ("FA", 2), ("FN", 0)], r"^op 3: FN\(0\) between the loss's FA\(2\) and B\(2\)"),
     ([("FA", 0), ("FN", 1), ("FA", 2), ("B", 2), ("B", 1)], r"^op 4: B\(1\) needs tape_1"),
     ([("FA", 0), ("FA", 1), ("FA", 2), ("B", 2), ("B", 1)], r"^op 5: the schedule ends without delta_0"),
     ([], r"^op 0: the schedule ends without delta_0"),

@@ -178,6 +178,75 @@ def test_sequential_training_matches_nn_sequential():
         assert torch.allclose(model(x), ref(x), rtol=0, atol=1e-12)
 
 
+class Head(nn.Module):
+    """LayerNorm + Linear on (batch, time, d): its output is a view (Linear folds the time axis)."""
+
+    def __init__(self, d: int, vocab: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.proj = nn.Linear(d, vocab)
+
+    def forward(self, x):
+        return self.proj(self.norm(x))
+
+
+def _lm(seed: int = 0):
+    torch.manual_seed(seed)
+    blocks = [Res(32).double() for _ in range(6)] + [Head(32, 256).double()]
+    x = torch.randn(4, 64, 32, dtype=torch.float64)
+    target = torch.randint(0, 256, (4, 64))
+
+    def loss_fn(out):
+        return nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())
+
+    return blocks, x, loss_fn
+
+
+def _peak_with_loss(model, x, loss_fn):
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    gc.collect()
+    with track() as m:
+        loss_fn(model(x.clone())).backward()
+    return m.peak
+
+
+def test_view_output_and_cross_entropy_gradients_match():
+    blocks, x, loss_fn = _lm()
+    ref = nn.Sequential(*copy.deepcopy(blocks))
+    loss_fn(ref(x)).backward()
+    for frac in (0.9, 0.8):  # cross-entropy on the logits needs 0.72 of storing everything at least
+        model = ck.Sequential(copy.deepcopy(blocks), budget=frac, loss_fn=loss_fn)
+        sched = model.schedule_for(x)
+        # the head's output (a view) is recomputed after the loss, and released after B(head)
+        assert sched.count("forward_nosave") + sched.count("forward_check") > 0
+        loss_fn(model(x)).backward()
+        for a, b in zip(ref.parameters(), model.parameters()):
+            assert torch.allclose(a.grad, b.grad, rtol=0, atol=1e-10)
+
+
+def test_loss_fn_brings_the_loss_memory_into_the_budget():
+    blocks, x, loss_fn = _lm()
+    logits = 4 * 64 * 256 * 8
+    for frac in (1.0, 0.9, 0.8):
+        planned = ck.Sequential(blocks, budget=frac, loss_fn=loss_fn)
+        sched = planned.schedule_for(x)
+        peak = _peak_with_loss(planned, x, loss_fn)
+        print(f"budget {frac}: predicted {sched.predicted_peak} measured {peak} budget {sched.budget}")
+        assert peak <= sched.budget
+        # The model keeps the chain's output until the loss's backward; cross-entropy does not
+        # save its input, so the logits can go right after its forward: the prediction may be
+        # above the measurement by up to their size, never below it.
+        assert sched.predicted_peak - logits * 1.05 <= peak <= sched.predicted_peak
+        # without loss_fn the plan leaves out cross-entropy's softmax (the size of the logits), and the
+        # step then needs more than the plan says
+        blind = ck.Sequential(blocks, budget=frac)
+        blind_sched = blind.schedule_for(x)
+        assert _peak_with_loss(blind, x, loss_fn) > blind_sched.predicted_peak
+    loss_stage = ck.profile_loss(loss_fn, nn.Sequential(*blocks)(x).detach())
+    assert loss_stage.input_bytes == logits and loss_stage.saved_bytes >= 2 * logits
+
+
 def test_error_cases():
     model = chain(1, 6)
     x = torch.randn(8, 16, dtype=torch.float64)
@@ -202,6 +271,10 @@ def test_error_cases():
         ck.checkpoint_sequential(model, x, budget=1.5)
     with pytest.raises(ck.BudgetTooSmallError):
         ck.Sequential(list(model), budget=0.01)(x)
+    with pytest.raises(TypeError, match="loss_fn must be a callable"):
+        ck.Sequential(list(model), budget=0.5, loss_fn=3)
+    with pytest.raises(ValueError, match="loss_fn= only applies with budget="):
+        ck.checkpoint_sequential(model, x, segments=2, loss_fn=lambda o: o.sum())
 
 
 def test_profile_and_track():
