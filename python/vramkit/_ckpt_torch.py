@@ -18,6 +18,7 @@ each stage and restored for its recomputations, so dropout matches the un-checkp
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -129,24 +130,27 @@ def _profile(fns: list, sample_input: torch.Tensor, repeats: int = 3, loss_fn: A
                 out_bytes = _storage_bytes(x)
             a_i = _storage_bytes(x)
             params = [p for p in (fn.parameters() if isinstance(fn, nn.Module) else ()) if p.requires_grad]
-            # forward timing and transient memory without saving
+            # Pass 0 of each loop measures memory with the live-tensor meter (and warms up); the
+            # other passes are timed without it, since its dispatch mode costs time on every op.
             fwd_times = []
             fwd_tmp = fwd_tmp_nograd = 0
-            for r in range(repeats):
-                with torch.no_grad(), track() as m:
+            for r in range(repeats + 1):
+                with torch.no_grad(), (track() if r == 0 else contextlib.nullcontext()) as m:
                     _sync(x)
                     t0 = time.perf_counter()
                     y = _check_output(i, fn, fn(x))
                     _sync(y)
-                    fwd_times.append(time.perf_counter() - t0)
-                    out_new = _storage_bytes(y) if y.untyped_storage().data_ptr() in m._live else 0
-                    fwd_tmp_nograd = max(fwd_tmp_nograd, m.peak - out_new)
+                    if r == 0:
+                        out_new = _storage_bytes(y) if y.untyped_storage().data_ptr() in m._live else 0
+                        fwd_tmp_nograd = m.peak - out_new
+                    else:
+                        fwd_times.append(time.perf_counter() - t0)
                     del y
-            # the saved tensors, and the transient memory of the saving forward
+            # the saved tensors, and the transient memory of the saving forward and the backward
             saved: dict[int, int] = {}
             bwd_times = []
             bwd_tmp = 0
-            for r in range(repeats):
+            for r in range(repeats + 1):
                 inp = x.detach()
                 if _differentiable(inp):
                     inp.requires_grad_(True)
@@ -156,7 +160,8 @@ def _profile(fns: list, sample_input: torch.Tensor, repeats: int = 3, loss_fn: A
                     packed.append(t)
                     return t
 
-                with torch.enable_grad(), track() as m, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with torch.enable_grad(), (track() if r == 0 else contextlib.nullcontext()) as m, \
+                        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     y = _check_output(i, fn, fn(inp))
                     if r == 0:
                         live_end = m.current
@@ -166,7 +171,7 @@ def _profile(fns: list, sample_input: torch.Tensor, repeats: int = 3, loss_fn: A
                             ptr = st.data_ptr()
                             if ptr != in_ptr and ptr in m._live:  # created by this stage (not params)
                                 saved[ptr] = int(st.nbytes())
-                        fwd_tmp = max(fwd_tmp, m.peak - live_end)
+                        fwd_tmp = m.peak - live_end
                         y_ptr = y.untyped_storage().data_ptr()
                         keep_out.append(y_ptr == in_ptr or any(t.untyped_storage().data_ptr() == y_ptr
                                                                for t in packed))
@@ -175,13 +180,15 @@ def _profile(fns: list, sample_input: torch.Tensor, repeats: int = 3, loss_fn: A
                 if y.requires_grad and wrt:
                     g = torch.ones_like(y)
                     _sync(g)
-                    with track() as m:
+                    with (track() if r == 0 else contextlib.nullcontext()) as m:
                         t0 = time.perf_counter()
                         torch.autograd.grad(y, wrt, g, allow_unused=True)
                         _sync(g)
-                        bwd_times.append(time.perf_counter() - t0)
-                        bwd_tmp = max(bwd_tmp, m.peak - a_i)
-                else:
+                        if r == 0:
+                            bwd_tmp = m.peak - a_i
+                        else:
+                            bwd_times.append(time.perf_counter() - t0)
+                elif r:
                     bwd_times.append(0.0)
                 del y
             with torch.no_grad():
