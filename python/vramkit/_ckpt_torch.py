@@ -175,6 +175,7 @@ def _profile(fns: list, sample_input: torch.Tensor, repeats: int = 3, loss_fn: A
                         y_ptr = y.untyped_storage().data_ptr()
                         keep_out.append(y_ptr == in_ptr or any(t.untyped_storage().data_ptr() == y_ptr
                                                                for t in packed))
+                        input_saved = any(t.untyped_storage().data_ptr() == in_ptr for t in packed)
                 packed.clear()
                 wrt = ([inp] if inp.requires_grad else []) + params
                 if y.requires_grad and wrt:
@@ -201,6 +202,11 @@ def _profile(fns: list, sample_input: torch.Tensor, repeats: int = 3, loss_fn: A
             if i == len(fns):
                 fwd_tmp_nograd = fwd_tmp
                 extra = _storage_bytes(y)
+                if not input_saved:
+                    # The model keeps x_L through the loss's backward; a loss that does not save
+                    # its input (cross-entropy keeps its log-softmax) lets it go after the
+                    # forward, and its backward's transient can reuse those bytes.
+                    bwd_tmp = max(0, bwd_tmp - a_i)
             stages.append(_ck.Stage(float(statistics.median(fwd_times)), float(statistics.median(bwd_times)), a_i,
                                     a_i + sum(saved.values()) + extra, int(max(0, fwd_tmp_nograd)),
                                     int(max(0, bwd_tmp)), int(max(0, fwd_tmp))))
@@ -348,7 +354,14 @@ class _Runner:
             if op.kind == "loss":
                 out = self.x.pop(self.L)
                 self.backward_done.add(self.L)
-                return out.detach()
+                # From here on the chain's output belongs to the user and the loss: B(L-1) needs
+                # only its gradient, so the last stage's held output lets go of the storage (it
+                # lives while the user's tensor or the loss's saved tensors refer to it).
+                result = out.detach()  # first: releasing empties the stage's tensor, not this alias
+                del out
+                if (self.L - 1) in self.held:
+                    self._release_output(self.L - 1)
+                return result
             if op.kind == "backward":
                 raise RuntimeError("vramkit.checkpoint: a backward op before the loss in the schedule")
             self._forward(op.kind, op.stage)

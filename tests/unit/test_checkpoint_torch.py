@@ -228,16 +228,15 @@ def test_view_output_and_cross_entropy_gradients_match():
 def test_loss_fn_brings_the_loss_memory_into_the_budget():
     blocks, x, loss_fn = _lm()
     logits = 4 * 64 * 256 * 8
-    for frac in (1.0, 0.9, 0.8):
+    for frac in (1.0, 0.9, 0.8, 0.75):
         planned = ck.Sequential(blocks, budget=frac, loss_fn=loss_fn)
         sched = planned.schedule_for(x)
         peak = _peak_with_loss(planned, x, loss_fn)
         print(f"budget {frac}: predicted {sched.predicted_peak} measured {peak} budget {sched.budget}")
         assert peak <= sched.budget
-        # The model keeps the chain's output until the loss's backward; cross-entropy does not
-        # save its input, so the logits can go right after its forward: the prediction may be
-        # above the measurement by up to their size, never below it.
-        assert sched.predicted_peak - logits * 1.05 <= peak <= sched.predicted_peak
+        # cross-entropy does not save the logits: the profile sees that, and the executor lets go
+        # of them at the loss, so they go after the loss's forward as the plan says
+        assert 0.9 * sched.predicted_peak <= peak <= sched.predicted_peak
         # without loss_fn the plan leaves out cross-entropy's softmax (the size of the logits), and the
         # step then needs more than the plan says
         blind = ck.Sequential(blocks, budget=frac)
