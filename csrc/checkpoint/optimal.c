@@ -35,23 +35,36 @@ static inline size_t cell(const table_t *t, size_t i, size_t l, int64_t m) {
 
 /* The inner loop of every option: best[m] = min(best[m], add + right[m] + left[m]) over a run
  * of m, noting the option in what[m]. Written without branches on restrict pointers so it
- * vectorises (8 floats and their int16 tags a step with AVX2, picked at load time where the
- * compiler can clone functions); it is most of the planner's time. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
-    !defined(__SANITIZE_ADDRESS__)
-#define VRAM__RELAX_ATTRS __attribute__((target_clones("avx2", "default"), optimize("O3")))
-#else
-#define VRAM__RELAX_ATTRS
-#endif
-VRAM__RELAX_ATTRS
-static void relax(float *restrict best, int16_t *restrict what, const float *restrict right,
-                  const float *restrict left, float add, int16_t tag, int64_t n) {
-    for (int64_t m = 0; m < n; m++) {
-        float v = add + right[m] + (left ? left[m] : 0.0f);
-        int better = v < best[m];
-        best[m] = better ? v : best[m];
-        what[m] = better ? tag : what[m];
+ * vectorises; it is most of the planner's time. With GCC on x86-64 an AVX2 copy (8 floats and
+ * their int16 tags a step) is chosen at run time with __builtin_cpu_supports; no ifunc, which
+ * sanitizer runtimes do not survive. */
+#define VRAM__RELAX_BODY                                                                  \
+    for (int64_t m = 0; m < n; m++) {                                                     \
+        float v = add + right[m] + (left ? left[m] : 0.0f);                               \
+        int better = v < best[m];                                                         \
+        best[m] = better ? v : best[m];                                                   \
+        what[m] = better ? tag : what[m];                                                 \
     }
+#define VRAM__RELAX_ARGS                                                                  \
+    float *restrict best, int16_t *restrict what, const float *restrict right, const float *restrict left, \
+        float add, int16_t tag, int64_t n
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define VRAM__RELAX_DISPATCH 1
+__attribute__((optimize("O3"))) static void relax_portable(VRAM__RELAX_ARGS) { VRAM__RELAX_BODY }
+__attribute__((target("avx2"), optimize("O3"))) static void relax_avx2(VRAM__RELAX_ARGS) { VRAM__RELAX_BODY }
+#else
+static void relax_portable(VRAM__RELAX_ARGS) { VRAM__RELAX_BODY }
+#endif
+
+typedef void (*relax_fn)(VRAM__RELAX_ARGS);
+
+static relax_fn pick_relax(void) {
+#ifdef VRAM__RELAX_DISPATCH
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) return relax_avx2;
+#endif
+    return relax_portable;
 }
 
 static inline int64_t max64(int64_t x, int64_t y) { return x > y ? x : y; }
@@ -62,6 +75,7 @@ static inline int64_t max64(int64_t x, int64_t y) { return x > y ? x : y; }
  * can be finite, and from the least m at which storing everything in [i..l] fits, the time is
  * the sum of its forwards and backwards, which no schedule beats. */
 static void fill(table_t *t) {
+    const relax_fn relax = pick_relax();
     const int64_t M = (int64_t)t->M;
     const int64_t *a = t->a;
     int64_t *store_all = malloc(((t->L + 1) * (t->L + 2) / 2) * sizeof *store_all);
