@@ -109,6 +109,12 @@ class _RngState:
 # ----------------------------------------------------------------------------- profile
 
 
+def _meter_on_first(r: int) -> Any:
+    """The live-tensor meter for pass 0 (memory), nothing for the timed passes: the meter's
+    dispatch mode costs time on every op."""
+    return track() if r == 0 else contextlib.nullcontext()
+
+
 def _profile(fns: list, sample_input: torch.Tensor, repeats: int = 3, loss_fn: Any = None) -> tuple:
     """(stages, output bytes, keep_out per stage, loss Stage or None): the loss, when given, is
     measured as one more stage whose input is the chain's output."""
@@ -123,11 +129,8 @@ def _profile(fns: list, sample_input: torch.Tensor, repeats: int = 3, loss_fn: A
     stages = []
     keep_out: list[bool] = []  # per stage: autograd saves the output (or it aliases the input)
     x = sample_input.detach()
-    out_bytes = 0
     try:
         for i, fn in enumerate(fns + ([loss_fn] if loss_fn is not None else [])):
-            if i == len(fns):
-                out_bytes = _storage_bytes(x)
             a_i = _storage_bytes(x)
             params = [p for p in (fn.parameters() if isinstance(fn, nn.Module) else ()) if p.requires_grad]
             # Pass 0 of each loop measures memory with the live-tensor meter (and warms up); the
@@ -135,7 +138,7 @@ def _profile(fns: list, sample_input: torch.Tensor, repeats: int = 3, loss_fn: A
             fwd_times = []
             fwd_tmp = fwd_tmp_nograd = 0
             for r in range(repeats + 1):
-                with torch.no_grad(), (track() if r == 0 else contextlib.nullcontext()) as m:
+                with torch.no_grad(), _meter_on_first(r) as m:
                     _sync(x)
                     t0 = time.perf_counter()
                     y = _check_output(i, fn, fn(x))
@@ -160,7 +163,7 @@ def _profile(fns: list, sample_input: torch.Tensor, repeats: int = 3, loss_fn: A
                     packed.append(t)
                     return t
 
-                with torch.enable_grad(), (track() if r == 0 else contextlib.nullcontext()) as m, \
+                with torch.enable_grad(), _meter_on_first(r) as m, \
                         torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     y = _check_output(i, fn, fn(inp))
                     if r == 0:
@@ -181,7 +184,7 @@ def _profile(fns: list, sample_input: torch.Tensor, repeats: int = 3, loss_fn: A
                 if y.requires_grad and wrt:
                     g = torch.ones_like(y)
                     _sync(g)
-                    with (track() if r == 0 else contextlib.nullcontext()) as m:
+                    with _meter_on_first(r) as m:
                         t0 = time.perf_counter()
                         torch.autograd.grad(y, wrt, g, allow_unused=True)
                         _sync(g)
@@ -211,16 +214,14 @@ def _profile(fns: list, sample_input: torch.Tensor, repeats: int = 3, loss_fn: A
                                     a_i + sum(saved.values()) + extra, int(max(0, fwd_tmp_nograd)),
                                     int(max(0, bwd_tmp)), int(max(0, fwd_tmp))))
             x = y.detach()
-        if loss_fn is None:
-            out_bytes = _storage_bytes(x)
     finally:
         rng.restore()
         with torch.no_grad():
             for b, v in buffers:
                 b.copy_(v)
-    if loss_fn is not None:
-        return stages[:-1], out_bytes, keep_out[:-1], stages[-1]
-    return stages, out_bytes, keep_out, None
+    if loss_fn is not None:  # the loss's input is the chain's output
+        return stages[:-1], stages[-1].input_bytes, keep_out[:-1], stages[-1]
+    return stages, _storage_bytes(x), keep_out, None
 
 
 def profile(modules: Any, sample_input: torch.Tensor, repeats: int = 3) -> list:
@@ -259,6 +260,7 @@ class _Runner:
         self.delta: dict[int, Any] = {}
         self.rng: dict[int, _RngState] = {}
         self.backward_done: set[int] = set()
+        self.output_grad: torch.Tensor | None = None  # taken by the hook on the chain's output
         self.used = False
         self.device = torch.device("cpu")
 
@@ -380,10 +382,9 @@ class _Runner:
             raise RuntimeError("vramkit.checkpoint: trying to backward through the checkpointed chain a second "
                                "time; its schedule has already run (retain_graph is not supported)")
         self.used = True
-        taken = getattr(self, "output_grad", None)
+        self.delta[self.L] = self.output_grad if self.output_grad is not None else grad_out
         self.output_grad = None
-        self.delta[self.L] = taken if taken is not None else grad_out
-        del taken, grad_out
+        del grad_out
         with torch.enable_grad():
             while self.pos < len(self.ops):
                 op = self.ops[self.pos]

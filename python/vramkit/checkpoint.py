@@ -111,17 +111,20 @@ class Schedule:
                 "ops": [[op.kind, op.stage] for op in self.ops]}
 
 
+def _as_stage(s: Any, what: str) -> Stage:
+    """A Stage from a Stage, a tuple/list of its fields or a dict of them; errors name ``what``."""
+    if isinstance(s, Stage):
+        return s
+    try:
+        return Stage(*s) if isinstance(s, (tuple, list)) else Stage(**s)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{what}: {e}") from None
+
+
 def _stage_tuples(stages: Iterable[Any]) -> list[tuple]:
     if isinstance(stages, (str, bytes)) or not hasattr(stages, "__iter__"):
         raise TypeError(f"stages must be a list of Stage, got {type(stages).__name__}")
-    out = []
-    for i, s in enumerate(stages):
-        if not isinstance(s, Stage):
-            try:
-                s = Stage(*s) if isinstance(s, (tuple, list)) else Stage(**s)
-            except (TypeError, ValueError) as e:
-                raise type(e)(f"stage {i}: {e}") from None
-        out.append(s.as_tuple())
+    out = [_as_stage(s, f"stage {i}").as_tuple() for i, s in enumerate(stages)]
     if not out:
         raise ValueError("stages is empty: a chain needs at least one stage")
     return out
@@ -136,11 +139,7 @@ def _loss_tuple(tuples: Sequence[tuple], output_bytes: int | None, loss: Any) ->
     if loss is None:
         out = tuples[-1][2] if output_bytes is None else output_bytes
         return (0.0, 0.0, out, out, 0, 0, 0)
-    if not isinstance(loss, Stage):
-        try:
-            loss = Stage(*loss) if isinstance(loss, (tuple, list)) else Stage(**loss)
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"loss: {e}") from None
+    loss = _as_stage(loss, "loss")
     if output_bytes is not None and output_bytes != loss.input_bytes:
         raise ValueError(f"output_bytes ({output_bytes}) and loss.input_bytes ({loss.input_bytes}) disagree: both "
                          "are the size of the chain's output; give one")
