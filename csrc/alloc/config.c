@@ -3,7 +3,9 @@
  *
  * Accepted keys are PyTorch's where they apply (max_split_size_mb, roundup_power2_divisions,
  * garbage_collection_threshold, max_non_split_rounding_mb, per_process_memory_fraction,
- * backend:native, expandable_segments:False) plus memory_limit_mb for an absolute cap.
+ * backend:native, expandable_segments:False) plus memory_limit_mb for an absolute cap, and
+ * the host_* keys of the cpu pool (named like PyTorch's pinned_* host-allocator keys, and
+ * like them ignored by device pools when they come from the environment).
  * Parsing fills a copy, so a malformed string leaves the settings untouched. */
 #include "internal.h"
 
@@ -19,9 +21,25 @@
 #define ALLOWED_KEYS                                                                          \
     "max_split_size_mb, max_non_split_rounding_mb, roundup_power2_divisions, "                 \
     "garbage_collection_threshold, per_process_memory_fraction, memory_limit_mb, backend, " \
-    "expandable_segments"
+    "expandable_segments, and for the cpu pool host_memory_check, host_reserve_mb, "         \
+    "host_page_release_mb, host_lazy_free, host_cache_limit_mb, host_cache_limit_fraction"
 
-void vram__settings_default(vram_settings_t *s) {
+/* Host-pool defaults, documented in the README:
+ * - check each new segment against the host's memory, leaving 1/64 of it (whole MiB, at most
+ *   1 GiB) to the rest of the process and the system;
+ * - give a free block's pages back (MADV_FREE) once 64 MiB of them hold memory: big arrays,
+ *   whose residency matters, go back at once (with huge pages about 0.05 ms per 64 MiB, next
+ *   to ~10 ms of work on such an array), while tensor-sized blocks that a loop frees and
+ *   reuses many times a second skip the syscall (benchmarks/alloc.py: 68 ns a pair on its
+ *   realistic mix at 64 MiB, 146 ns at 16 MiB, 56 ns with no release);
+ * - keep at most a quarter of the host's memory cached. */
+#define HOST_RESERVE_DIVISOR 64
+#define HOST_RESERVE_MAX ((uint64_t)1 << 30)
+#define HOST_PAGE_RELEASE_DEFAULT (64 * MB)
+#define HOST_CACHE_FRACTION_DEFAULT 0.25
+#define HOST_RESERVE_AUTO UINT64_MAX /* computed from the capacity by update_allowed */
+
+void vram__settings_default(vram_settings_t *s, int host) {
     memset(s, 0, sizeof *s);
     s->max_split_size = VRAM_UNLIMITED;
     s->max_non_split_rounding = VRAM_LARGE_BUFFER;
@@ -29,6 +47,13 @@ void vram__settings_default(vram_settings_t *s) {
     s->memory_fraction = 1.0;
     s->memory_limit = VRAM_NO_LIMIT;
     s->allowed_bytes = VRAM_UNLIMITED;
+    s->host_memory_check = host;
+    s->host_lazy_free = 1;
+    s->host_reserve = host ? HOST_RESERVE_AUTO : 0;
+    s->host_page_release = host ? HOST_PAGE_RELEASE_DEFAULT : VRAM_NO_LIMIT;
+    s->host_cache_limit_bytes = VRAM_NO_LIMIT;
+    s->host_cache_limit_fraction = host ? HOST_CACHE_FRACTION_DEFAULT : -1.0;
+    s->host_cache_limit = UINT64_MAX;
 }
 
 void vram__settings_update_allowed(vram_settings_t *s, uint64_t total_capacity) {
@@ -38,6 +63,16 @@ void vram__settings_update_allowed(vram_settings_t *s, uint64_t total_capacity) 
         if (by_fraction < allowed) allowed = by_fraction;
     }
     s->allowed_bytes = allowed;
+    uint64_t cache = s->host_cache_limit_bytes;
+    if (s->host_cache_limit_fraction >= 0.0) {
+        uint64_t by_fraction = (uint64_t)(s->host_cache_limit_fraction * (double)total_capacity);
+        if (by_fraction < cache) cache = by_fraction;
+    }
+    s->host_cache_limit = cache;
+    if (s->host_reserve == HOST_RESERVE_AUTO) { /* whole MiB, so host_reserve_mb can set it back */
+        uint64_t reserve = total_capacity / HOST_RESERVE_DIVISOR / MB * MB;
+        s->host_reserve = reserve < HOST_RESERVE_MAX ? reserve : HOST_RESERVE_MAX;
+    }
 }
 
 static int is_pow2(uint64_t v) { return v && !(v & (v - 1)); }
@@ -74,6 +109,61 @@ static int parse_double(const char *text, double *out) {
 }
 
 static int is_none(const char *text) { return !strcmp(text, "None") || !strcmp(text, "none"); }
+
+static int parse_bool(const char *text, int *out) {
+    if (!strcmp(text, "True") || !strcmp(text, "true") || !strcmp(text, "1")) *out = 1;
+    else if (!strcmp(text, "False") || !strcmp(text, "false") || !strcmp(text, "0")) *out = 0;
+    else return -1;
+    return 0;
+}
+
+/* "<MiB>" or None (stored as VRAM_NO_LIMIT) for the host size options. */
+static vram_status_t parse_mb_or_none(const char *key, const char *value, const char *origin, int allow_none,
+                                      uint64_t *out) {
+    uint64_t u;
+    if (allow_none && is_none(value)) {
+        *out = VRAM_NO_LIMIT;
+        return VRAM_OK;
+    }
+    if (parse_u64(value, &u) != 0 || u > (VRAM_MAX_REQUEST / MB))
+        return vram__fail(VRAM_ERR_INVALID_ARG, "%s: %s must be a non-negative integer (MiB)%s; got '%s'", origin, key,
+                          allow_none ? " or None" : "", value);
+    *out = u * MB;
+    return VRAM_OK;
+}
+
+/* The host_* options: the cpu pool's protection against the OOM killer. */
+static vram_status_t apply_host_option(const char *key, const char *value, const char *origin, vram_settings_t *s) {
+    double d;
+    int b;
+    if (!strcmp(key, "host_memory_check") || !strcmp(key, "host_lazy_free")) {
+        if (parse_bool(value, &b) != 0)
+            return vram__fail(VRAM_ERR_INVALID_ARG, "%s: %s must be True or False; got '%s'", origin, key, value);
+        *(!strcmp(key, "host_memory_check") ? &s->host_memory_check : &s->host_lazy_free) = b;
+        return VRAM_OK;
+    }
+    if (!strcmp(key, "host_reserve_mb")) return parse_mb_or_none(key, value, origin, 0, &s->host_reserve);
+    if (!strcmp(key, "host_page_release_mb")) return parse_mb_or_none(key, value, origin, 1, &s->host_page_release);
+    if (!strcmp(key, "host_cache_limit_mb")) return parse_mb_or_none(key, value, origin, 1, &s->host_cache_limit_bytes);
+    /* host_cache_limit_fraction */
+    if (is_none(value)) {
+        s->host_cache_limit_fraction = -1.0;
+        return VRAM_OK;
+    }
+    if (parse_double(value, &d) != 0 || !(d >= 0.0 && d <= 1.0))
+        return vram__fail(VRAM_ERR_INVALID_ARG, "%s: host_cache_limit_fraction must be a number in [0, 1] or None; got '%s'",
+                          origin, value);
+    s->host_cache_limit_fraction = d;
+    return VRAM_OK;
+}
+
+static int is_host_key(const char *key) {
+    static const char *const keys[] = {"host_memory_check", "host_reserve_mb", "host_page_release_mb", "host_lazy_free",
+                                       "host_cache_limit_mb", "host_cache_limit_fraction"};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+        if (!strcmp(key, keys[i])) return 1;
+    return 0;
+}
 
 /* roundup_power2_divisions: one power of two for every interval, or "[256:1,512:2,>:8]"
  * where each key is a power-of-two size in MiB starting an interval, and ">" fills the rest. */
@@ -186,7 +276,8 @@ static vram_status_t apply_option(const char *key, const char *value, const char
     return VRAM_OK;
 }
 
-vram_status_t vram__settings_parse(const char *conf, const char *origin, vram_settings_t *settings) {
+vram_status_t vram__settings_parse(const char *conf, const char *origin, vram_settings_t *settings, int host,
+                                   int strict) {
     vram_settings_t s = *settings;
     const char *p = conf ? conf : "";
     while (*p) {
@@ -209,7 +300,13 @@ vram_status_t vram__settings_parse(const char *conf, const char *origin, vram_se
             copy_trimmed(colon + 1, item + strlen(item), value, sizeof value);
             if (value[0] == '\0')
                 return vram__fail(VRAM_ERR_INVALID_ARG, "%s: option '%s' has an empty value", origin, key);
-            vram_status_t status = apply_option(key, value, origin, &s);
+            vram_status_t status = VRAM_OK;
+            if (!is_host_key(key)) status = apply_option(key, value, origin, &s);
+            else if (host) status = apply_host_option(key, value, origin, &s);
+            else if (strict)
+                status = vram__fail(VRAM_ERR_INVALID_ARG,
+                                    "%s: %s applies to the cpu pool (host memory) only; this device has no host "
+                                    "memory to protect", origin, key);
             if (status != VRAM_OK) return status;
         } else if (*end == ',') {
             return vram__fail(VRAM_ERR_INVALID_ARG, "%s: empty option in '%s'", origin, conf);

@@ -158,6 +158,7 @@ vram_status_t vram_pool_synchronize(vram_pool_t *pool, vram_stream_t stream) {
     if (status != VRAM_OK) return status;
     vram__lock(&pool->lock);
     if (pool->num_pending) vram__process_events(pool);
+    if (vram__over_cache_limit(pool)) vram__host_enforce_cache_limit(pool, 0);
     vram__unlock(&pool->lock);
     return VRAM_OK;
 }

@@ -43,6 +43,18 @@ struct vram__block {
     uint64_t context;            /* caller's context id of the allocation */
 };
 
+/* Host pools track their segments' memory in 2 MiB units (one huge page; segment sizes are
+ * multiples of it). Two bits per unit, in two bitmaps after the segment struct:
+ *   clean  lazy
+ *     1     0    untouched: not handed out since mapped or since MADV_DONTNEED (reads as zero)
+ *     1     1    given back with MADV_FREE, not handed out since (the kernel may take it)
+ *     0     1    handed out again after MADV_FREE: holds data, yet the kernel still counts
+ *                it as free until it rescans it, so the host check must subtract it
+ *     0     0    resident: handed out, holds data
+ * A unit is marked dirty when any block overlapping it is handed out, and cleaned only when
+ * it lies wholly inside a free block whose pages are given back. */
+#define VRAM__PAGE_UNIT ((uint64_t)2 << 20)
+
 struct vram__segment {
     uintptr_t addr;
     uint64_t size;
@@ -51,6 +63,8 @@ struct vram__segment {
     uint8_t oversize;            /* counted in oversize_segments */
     vram__block_t *head;         /* the lowest-addressed block */
     vram__segment_t *prev, *next;
+    uint64_t freed_at;           /* pool->free_clock when it last became wholly free (LRU for the cache limit) */
+    uint64_t *clean, *lazy;      /* host pools: the unit bitmaps (NULL elsewhere) */
 };
 
 /* The free blocks of one pool kind, ordered by (stream, size, address) as PyTorch's
@@ -82,6 +96,19 @@ typedef struct vram__history {
     uint64_t written;            /* total ever written; the oldest kept is written - count */
 } vram__history_t;
 
+/* What a host pool knows about the host and about its pages. */
+typedef struct vram__host_state {
+    int tracked;                 /* the backend can release pages: segments carry unit bitmaps */
+    uint64_t reclaimable_units;  /* units with clean = 1 */
+    uint64_t lazy_reused_units;  /* units with clean = 0, lazy = 1 */
+    /* The last host reading (the check reuses it for small segments for up to 100 ms). */
+    vram_host_memory_t reading;
+    uint64_t room;               /* reading.available minus every pool's lazily reused bytes */
+    uint64_t read_ns, mapped_since;
+    int reading_valid;
+    int rejected;                /* the current slow path was refused by the host check */
+} vram__host_state_t;
+
 struct vram_pool {
     vram__mutex_t lock;
     const vram_backend_t *backend;
@@ -100,6 +127,10 @@ struct vram_pool {
 
     vram__history_t history;
     int history_on;              /* read without the lock by vram_history_enabled */
+
+    uint64_t whole_free_segments; /* segments that are one free block (releasable) */
+    uint64_t free_clock;         /* ticks each time a segment becomes wholly free */
+    vram__host_state_t host;     /* host pools only (backend->host_memory / release_pages) */
 
     vram__block_t *spare_blocks; /* recycled block structs, linked through ->next */
     uint64_t num_spare;
@@ -156,8 +187,13 @@ static inline void vram__stat_array_change(vram_stat_t *array, int is_small, int
 }
 
 /* config.c */
-void vram__settings_default(vram_settings_t *settings);
-vram_status_t vram__settings_parse(const char *conf, const char *origin, vram_settings_t *settings);
+/* Defaults; `host` gives the host_* options their host-pool defaults (else they are off). */
+void vram__settings_default(vram_settings_t *settings, int host);
+/* Parse options into settings (all or nothing). host_* options apply to host pools; elsewhere
+ * they are an error when `strict` (vram_configure) and ignored otherwise (VRAMKIT_ALLOC_CONF,
+ * which every pool reads). */
+vram_status_t vram__settings_parse(const char *conf, const char *origin, vram_settings_t *settings, int host,
+                                   int strict);
 void vram__settings_update_allowed(vram_settings_t *settings, uint64_t total_capacity);
 uint64_t vram__round_size(const vram_settings_t *settings, uint64_t size);
 uint64_t vram__segment_size(uint64_t rounded);
@@ -197,6 +233,52 @@ void vram__release_cached_blocks(vram_pool_t *pool, uint64_t context);
 int vram__release_available_cached_blocks(vram_pool_t *pool, vram__free_index_t *index, vram_stream_t stream,
                                           uint64_t rounded, uint64_t context);
 void vram__garbage_collect(vram_pool_t *pool, uint64_t context);
+
+/* pages.c (pool lock held): the unit bitmaps of host pools. */
+vram_status_t vram__pages_attach(vram_pool_t *pool, vram__segment_t **seg); /* realloc seg with bitmaps */
+/* A block is handed out: dirty its units. Returns 1 if every unit it overlaps was untouched,
+ * so its memory is known to be zero. */
+int vram__pages_take_slow(vram_pool_t *pool, const vram__block_t *block);
+/* A block became free (after merging): give its whole units back if enough hold memory. */
+void vram__pages_release_free(vram_pool_t *pool, vram__block_t *block);
+
+/* The hot paths inline: a cached block whose units all hold memory already (the steady state
+ * of a loop that reuses its blocks) needs one word read, and a free block smaller than the
+ * release threshold needs nothing. */
+static inline int vram__pages_take(vram_pool_t *pool, const vram__block_t *block) {
+    const vram__segment_t *seg = block->segment;
+    uint64_t first = (block->addr - seg->addr) / VRAM__PAGE_UNIT;
+    uint64_t last = (block->addr + block->size - 1 - seg->addr) / VRAM__PAGE_UNIT;
+    if (first / 64 == last / 64) {
+        uint64_t span = last - first + 1;
+        uint64_t mask = (span == 64 ? ~(uint64_t)0 : (((uint64_t)1 << span) - 1)) << (first % 64);
+        if (!(seg->clean[first / 64] & mask)) return 0;
+    }
+    return vram__pages_take_slow(pool, block);
+}
+static inline void vram__pages_on_free(vram_pool_t *pool, vram__block_t *block) {
+    uint64_t threshold = pool->settings.host_page_release;
+    if (threshold != VRAM_NO_LIMIT && block->size >= threshold && block->size >= VRAM__PAGE_UNIT)
+        vram__pages_release_free(pool, block);
+}
+/* A segment is about to be unmapped: drop its units from the counters. */
+void vram__pages_drop(vram_pool_t *pool, const vram__segment_t *seg);
+/* Every pool's lazily reused bytes (what MemAvailable overstates), process-wide. */
+uint64_t vram__pages_lazy_reused_total(void);
+/* Recount the units and verify that no block in use lies on a unit marked clean. */
+vram_status_t vram__pages_check(const vram_pool_t *pool);
+
+/* host.c (pool lock held) */
+/* Before mapping `size` more bytes: VRAM_OK, or VRAM_ERR_OOM if the host cannot give them. */
+vram_status_t vram__host_check_room(vram_pool_t *pool, uint64_t size);
+/* Release the least recently freed whole segments while the cache is over its limit. */
+void vram__host_enforce_cache_limit(vram_pool_t *pool, uint64_t context);
+static inline int vram__over_cache_limit(const vram_pool_t *pool) {
+    uint64_t limit = pool->settings.host_cache_limit;
+    if (limit == UINT64_MAX || !pool->whole_free_segments) return 0;
+    const vram_stats_t *s = &pool->stats;
+    return (uint64_t)(s->reserved_bytes[VRAM_STAT_ALL].current - s->allocated_bytes[VRAM_STAT_ALL].current) > limit;
+}
 
 /* oom.c (pool lock held) */
 vram_status_t vram__report_oom(vram_pool_t *pool, uint64_t requested, uint64_t segment_size,

@@ -11,10 +11,49 @@ static _Thread_local vram_oom_info_t last_oom;
 
 void vram_last_oom(vram_oom_info_t *out) { *out = last_oom; }
 
+/* Why the host check refused: which limit bound, and what vramkit held back. */
+static void describe_host_refusal(const vram_pool_t *pool, uint64_t segment_size, char *out, size_t len) {
+    const vram_host_memory_t *r = &pool->host.reading;
+    char seg[32], limit[32], held[32], avail[32], swap[32], reused[32], reserve[32];
+    vram_format_size(segment_size, seg, sizeof seg);
+    vram_format_size(r->mem_available, avail, sizeof avail);
+    vram_format_size(r->swap_free, swap, sizeof swap);
+    vram_format_size(pool->settings.host_reserve, reserve, sizeof reserve);
+    int n;
+    if (r->cgroup_limit != UINT64_MAX && r->available < r->mem_available + r->swap_free) {
+        vram_format_size(r->cgroup_limit, limit, sizeof limit);
+        vram_format_size(r->cgroup_usage - r->cgroup_reclaimable, held, sizeof held);
+        n = snprintf(out, len,
+                     "vramkit did not map %s because the host cannot give it: the memory cgroup %s limits this "
+                     "process to %s, of which %s is in use and cannot be reclaimed", seg, r->cgroup_path, limit, held);
+    } else {
+        n = snprintf(out, len,
+                     "vramkit did not map %s because the host cannot give it: the kernel reports %s available "
+                     "(MemAvailable) and %s of free swap", seg, avail, swap);
+    }
+    uint64_t overstated = r->available > pool->host.room ? r->available - pool->host.room : 0;
+    if (overstated && n > 0 && (size_t)n < len) {
+        vram_format_size(overstated, reused, sizeof reused);
+        n += snprintf(out + n, len - (size_t)n,
+                      ", less %s that vramkit reuses after giving it back with MADV_FREE (the kernel still counts it "
+                      "as free)", reused);
+    }
+    if (n > 0 && (size_t)n < len)
+        snprintf(out + n, len - (size_t)n,
+                 "; %s is kept for the rest of the process (host_reserve_mb). Mapping it anyway would let the kernel's "
+                 "OOM killer end this process. Free memory you no longer need (del, then gc.collect()), or set "
+                 "VRAMKIT_ALLOC_CONF=host_memory_check:False to map it regardless.", reserve);
+}
+
 vram_status_t vram__report_oom(vram_pool_t *pool, uint64_t requested, uint64_t segment_size, vram_stream_t stream,
                                uint64_t context) {
     uint64_t device_free = 0, device_total = pool->total_capacity;
     (void)pool->backend->mem_info(pool->ctx, &device_free, &device_total);
+    int host_refused = pool->host.rejected;
+    if (host_refused) { /* the figures the check decided on */
+        device_free = pool->host.room;
+        device_total = pool->host.reading.total;
+    }
     uint64_t allocated = (uint64_t)pool->stats.allocated_bytes[VRAM_STAT_ALL].current;
     uint64_t reserved = (uint64_t)pool->stats.reserved_bytes[VRAM_STAT_ALL].current;
     uint64_t allowed = pool->settings.allowed_bytes;
@@ -52,10 +91,12 @@ vram_status_t vram__report_oom(vram_pool_t *pool, uint64_t requested, uint64_t s
         if (pool->device.kind == VRAM_DEVICE_SIM) kind = name;
         snprintf(where, sizeof where, "Device %s", name);
     }
+    char advice[1024] = "If reserved but unallocated memory is large try setting "
+                        "VRAMKIT_ALLOC_CONF=max_split_size_mb:<MiB> to avoid fragmentation.";
+    if (host_refused) describe_host_refusal(pool, segment_size, advice, sizeof advice);
     return vram__fail(VRAM_ERR_OOM,
                       "%s out of memory. Tried to allocate %s. %s has a total capacity of %s of which %s is free. "
                       "%sOf the allocated memory %s is allocated by vramkit, and %s is reserved by vramkit but "
-                      "unallocated. If reserved but unallocated memory is large try setting "
-                      "VRAMKIT_ALLOC_CONF=max_split_size_mb:<MiB> to avoid fragmentation.",
-                      kind, req, where, total_s, free_s, allowed_s, alloc_s, unalloc_s);
+                      "unallocated. %s",
+                      kind, req, where, total_s, free_s, allowed_s, alloc_s, unalloc_s, advice);
 }

@@ -12,8 +12,9 @@ vram_status_t vram_pool_create(const vram_backend_t *backend, void *backend_ctx,
                                const char *conf, vram_pool_t **out) {
     *out = NULL;
     vram_settings_t settings;
-    vram__settings_default(&settings);
-    vram_status_t status = vram__settings_parse(conf, "VRAMKIT_ALLOC_CONF", &settings);
+    int host = backend->host_memory != NULL;
+    vram__settings_default(&settings, host);
+    vram_status_t status = vram__settings_parse(conf, "VRAMKIT_ALLOC_CONF", &settings, host, 0);
     if (status != VRAM_OK) goto fail;
     uint64_t free_bytes = 0, total = 0;
     status = backend->mem_info(backend_ctx, &free_bytes, &total);
@@ -35,6 +36,7 @@ vram_status_t vram_pool_create(const vram_backend_t *backend, void *backend_ctx,
     pool->total_capacity = total;
     pool->settings = settings;
     vram__settings_update_allowed(&pool->settings, total);
+    pool->host.tracked = backend->release_pages != NULL;
     pool->small.is_small = 1;
     pool->small.rng = 0x2545F491u;
     pool->large.rng = 0x9E3779B9u;
@@ -56,6 +58,7 @@ void vram_pool_destroy(vram_pool_t *pool) {
     vram__synchronize_and_free_events(pool);
     for (vram__segment_t *seg = pool->segments, *next; seg; seg = next) {
         next = seg->next;
+        vram__pages_drop(pool, seg);
         pool->backend->segment_free(pool->ctx, seg->addr, seg->size);
         free(seg);
     }
@@ -69,6 +72,8 @@ void vram_pool_destroy(vram_pool_t *pool) {
 }
 
 vram_device_t vram_pool_device(const vram_pool_t *pool) { return pool->device; }
+
+int vram_pool_is_host(const vram_pool_t *pool) { return pool->backend->host_memory != NULL; }
 
 /* PyTorch's get_free_block: best fit on the stream, with the oversize rules. Returns the block,
  * still in the index (take_block takes it out, or lets its split remainder take its place). */
@@ -89,13 +94,23 @@ static vram__block_t *get_free_block(vram_pool_t *pool, vram__free_index_t *inde
 static vram_status_t alloc_segment(vram_pool_t *pool, int is_small, vram_stream_t stream, uint64_t size,
                                    uint64_t context, int is_retry, vram__block_t **out) {
     if (is_retry) pool->stats.num_alloc_retries++;
+    pool->host.rejected = 0; /* the OOM message describes the last attempt */
     uint64_t reserved = (uint64_t)pool->stats.reserved_bytes[VRAM_STAT_ALL].current;
     if (size > pool->settings.allowed_bytes || reserved > pool->settings.allowed_bytes - size)
         return VRAM_ERR_OOM; /* over the fraction or limit: the caller reports it */
-    vram__segment_t *seg = malloc(sizeof *seg);
+    /* On a host, mmap succeeds where the memory is not there (overcommit) and the OOM killer
+     * ends the process later: ask the host first, so the ladder can run instead. */
+    vram_status_t status = vram__host_check_room(pool, size);
+    if (status != VRAM_OK) return status;
+    vram__segment_t *seg = calloc(1, sizeof *seg);
     if (!seg) return vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory for allocator bookkeeping");
+    seg->size = size;
+    if (pool->host.tracked && (status = vram__pages_attach(pool, &seg)) != VRAM_OK) {
+        free(seg);
+        return status;
+    }
     uintptr_t addr = 0;
-    vram_status_t status = pool->backend->segment_alloc(pool->ctx, size, stream, &addr);
+    status = pool->backend->segment_alloc(pool->ctx, size, stream, &addr);
     if (status != VRAM_OK) {
         free(seg);
         return status;
@@ -115,6 +130,7 @@ static vram_status_t alloc_segment(vram_pool_t *pool, int is_small, vram_stream_
     seg->next = pool->segments;
     if (pool->segments) pool->segments->prev = seg;
     pool->segments = seg;
+    if (seg->clean) pool->host.reclaimable_units += size / VRAM__PAGE_UNIT; /* untouched */
 
     vram__stat_array_increase(pool->stats.segment, is_small, 1);
     vram__stat_array_increase(pool->stats.reserved_bytes, is_small, (int64_t)size);
@@ -155,12 +171,14 @@ static int should_split(const vram_pool_t *pool, const vram__block_t *block, uin
 }
 
 /* Hand out `block` (in the index if it came from the cache, out of it if it is a new
- * segment), splitting off the unused tail as a free block. */
+ * segment), splitting off the unused tail as a free block. *known_zero (host pools) tells
+ * whether its memory is untouched since it was mapped. */
 static vram__block_t *take_block(vram_pool_t *pool, vram__block_t *block, uint64_t rounded, uint64_t requested,
-                                 uint64_t context) {
+                                 uint64_t context, int *known_zero) {
     int is_small = block->segment->is_small;
     vram__free_index_t *index = vram__index_for(pool, is_small);
     int64_t split_count = 0, split_bytes = 0; /* net change of inactive_split */
+    if (block->in_index && !vram__is_split(block)) pool->whole_free_segments--;
     if (vram__is_split(block)) {
         split_count--;
         split_bytes -= (int64_t)block->size;
@@ -190,6 +208,7 @@ static vram__block_t *take_block(vram_pool_t *pool, vram__block_t *block, uint64
     block->requested = requested;
     block->context = context;
     block->oversize = block->size >= pool->settings.max_split_size;
+    *known_zero = block->segment->clean ? vram__pages_take(pool, block) : 0;
     vram__stat_array_increase(pool->stats.allocation, is_small, 1);
     vram__stat_array_increase(pool->stats.allocated_bytes, is_small, (int64_t)block->size);
     vram__stat_array_increase(pool->stats.active, is_small, 1);
@@ -201,7 +220,8 @@ static vram__block_t *take_block(vram_pool_t *pool, vram__block_t *block, uint64
     return block;
 }
 
-vram_status_t vram_malloc(vram_pool_t *pool, uint64_t size, vram_stream_t stream, uint64_t context, void **out) {
+static vram_status_t malloc_impl(vram_pool_t *pool, uint64_t size, vram_stream_t stream, uint64_t context,
+                                 void **out, int *known_zero) {
     *out = NULL;
     if (size == 0) return VRAM_OK; /* as torch's raw_alloc(0): no block, no counters */
     if (size >= VRAM_MAX_REQUEST)
@@ -219,9 +239,30 @@ vram_status_t vram_malloc(vram_pool_t *pool, uint64_t size, vram_stream_t stream
     vram__free_index_t *index = vram__index_for(pool, rounded <= VRAM_SMALL_SIZE);
     vram__block_t *block = get_free_block(pool, index, stream, rounded);
     if (!block) status = obtain_block(pool, index, stream, size, rounded, context, &block);
-    if (status == VRAM_OK) *out = (void *)take_block(pool, block, rounded, size, context)->addr;
+    if (status == VRAM_OK) *out = (void *)take_block(pool, block, rounded, size, context, known_zero)->addr;
 done:
     vram__unlock(&pool->lock);
+    return status;
+}
+
+vram_status_t vram_malloc(vram_pool_t *pool, uint64_t size, vram_stream_t stream, uint64_t context, void **out) {
+    int known_zero;
+    return malloc_impl(pool, size, stream, context, out, &known_zero);
+}
+
+vram_status_t vram_calloc(vram_pool_t *pool, uint64_t size, vram_stream_t stream, uint64_t context, void **out) {
+    *out = NULL;
+    if (!pool->host.tracked) {
+        char name[32];
+        vram_device_format(pool->device, name, sizeof name);
+        return vram__fail(VRAM_ERR_INVALID_ARG, "vram_calloc needs a host pool; %s memory cannot be written by the CPU",
+                          name);
+    }
+    int known_zero = 0;
+    vram_status_t status = malloc_impl(pool, size, stream, context, out, &known_zero);
+    /* Outside the lock: zeroing a large block takes a while. Untouched pages are zero already,
+     * and leaving them alone keeps them from costing memory before they are used. */
+    if (status == VRAM_OK && *out && !known_zero) memset(*out, 0, (size_t)size);
     return status;
 }
 
@@ -261,6 +302,9 @@ void vram__free_block(vram_pool_t *pool, vram__block_t *block, uint64_t context)
     if (vram__is_split(block)) {
         split_count++;
         split_bytes += (int64_t)block->size;
+    } else {
+        pool->whole_free_segments++;
+        block->segment->freed_at = ++pool->free_clock;
     }
     vram__stat_array_change(pool->stats.inactive_split, is_small, split_count);
     vram__stat_array_change(pool->stats.inactive_split_bytes, is_small, split_bytes);
@@ -269,6 +313,9 @@ void vram__free_block(vram_pool_t *pool, vram__block_t *block, uint64_t context)
     vram__stat_array_decrease(pool->stats.requested_bytes, is_small, (int64_t)block->requested);
     block->requested = 0;
     block->context = 0;
+    /* A whole segment the cache limit is about to unmap needs no madvise first. */
+    if (block->segment->clean && !(vram__over_cache_limit(pool) && !vram__is_split(block)))
+        vram__pages_on_free(pool, block);
 }
 
 static vram_status_t unknown_pointer(const vram_pool_t *pool, const void *ptr) {
@@ -314,6 +361,7 @@ vram_status_t vram_try_free(vram_pool_t *pool, void *ptr, uint64_t context, int 
     vram__trace(pool, VRAM_TRACE_FREE_REQUESTED, block->addr, block->size, block->stream, context, 0);
     if (block->num_stream_uses) vram__insert_events(pool, block);
     else vram__free_block(pool, block, context);
+    if (vram__over_cache_limit(pool)) vram__host_enforce_cache_limit(pool, context);
     vram__unlock(&pool->lock);
     return VRAM_OK;
 }

@@ -7,6 +7,11 @@ vram_status_t vram_mem_get_info(vram_pool_t *pool, uint64_t *free_bytes, uint64_
     vram__lock(&pool->lock);
     vram_status_t status = pool->backend->mem_info(pool->ctx, free_bytes, total_bytes);
     vram__unlock(&pool->lock);
+    /* The kernel counts pages reused after MADV_FREE as free until it rescans them. */
+    if (status == VRAM_OK && vram_pool_is_host(pool)) {
+        uint64_t overstated = vram__pages_lazy_reused_total();
+        *free_bytes = *free_bytes > overstated ? *free_bytes - overstated : 0;
+    }
     return status;
 }
 
@@ -34,12 +39,15 @@ vram_status_t vram_set_memory_limit(vram_pool_t *pool, uint64_t limit_bytes) {
 vram_status_t vram_configure(vram_pool_t *pool, const char *conf) {
     vram__lock(&pool->lock);
     vram_settings_t settings = pool->settings;
-    vram_status_t status = vram__settings_parse(conf, "vramkit.configure", &settings);
+    vram_status_t status = vram__settings_parse(conf, "vramkit.configure", &settings, vram_pool_is_host(pool), 1);
     if (status == VRAM_OK) {
         vram__settings_update_allowed(&settings, pool->total_capacity);
         pool->settings = settings;
         pool->stats.max_split_size =
             settings.max_split_size == VRAM_UNLIMITED ? -1 : (int64_t)settings.max_split_size;
+        pool->host.reading_valid = 0; /* a new reserve or check applies from the next segment */
+        /* A lower cache limit applies at once. */
+        if (vram__over_cache_limit(pool)) vram__host_enforce_cache_limit(pool, 0);
     }
     vram__unlock(&pool->lock);
     return status;

@@ -12,6 +12,10 @@ vram_status_t vram_get_stats(vram_pool_t *pool, vram_stats_t *out) {
                           sizeof(vram_stats_t));
     vram__lock(&pool->lock);
     *out = pool->stats;
+    uint64_t cache_limit = pool->settings.host_cache_limit;
+    out->host_cache_limit = cache_limit == UINT64_MAX ? -1 : (int64_t)cache_limit;
+    out->host_reclaimable_bytes = (int64_t)(pool->host.reclaimable_units * VRAM__PAGE_UNIT);
+    out->host_lazy_reused_bytes = (int64_t)(pool->host.lazy_reused_units * VRAM__PAGE_UNIT);
     vram__unlock(&pool->lock);
     out->size = sizeof(vram_stats_t);
     out->version = VRAM_STATS_VERSION;
@@ -46,6 +50,7 @@ void vram_reset_accumulated(vram_pool_t *pool) {
 #undef RESET_SINGLE
 #define RESET_COUNTER(key) s->key = 0;
     VRAM_STAT_COUNTERS(RESET_COUNTER)
+    VRAM_HOST_COUNTERS(RESET_COUNTER)
 #undef RESET_COUNTER
     vram__unlock(&pool->lock);
 }

@@ -1,6 +1,8 @@
 /* summary.c — torch.cuda.memory_summary's 75-column table, generated from the same X-macro
- * lists as the counters, so a new counter cannot be forgotten here. The layout is PyTorch's
- * byte for byte except the title line, so users can diff the two. */
+ * lists as the counters, so a new counter cannot be forgotten here. On a CUDA device the
+ * table is PyTorch's byte for byte except the title line, so users can diff the two. On cpu
+ * and sim pools the words that would be wrong there ("CUDA OOMs", "cudaMalloc retries",
+ * "GPU reserved memory") name the device instead, in the same columns. */
 #include "internal.h"
 
 #include <stdarg.h>
@@ -90,6 +92,29 @@ static void row(text_t *t, const char *name, const vram_stat_t *s, const vram_st
     add(t, "| %-21s | %s | %s | %s | %s |\n", name, cur, peak, alloc, freed);
 }
 
+/* The words PyTorch's table uses for CUDA, and what they become on other devices. */
+typedef struct device_words {
+    const char *memory; /* replaces "GPU" in row labels */
+    const char *ooms;   /* "<ooms> OOMs" */
+    const char *alloc;  /* "<alloc> retries": the backend call that is retried */
+} device_words_t;
+
+static device_words_t words_for(vram_device_kind_t kind) {
+    switch (kind) {
+    case VRAM_DEVICE_CPU: return (device_words_t){"CPU", "CPU", "mmap"};
+    case VRAM_DEVICE_SIM: return (device_words_t){"sim", "sim", "sim alloc"};
+    default: return (device_words_t){"GPU", "CUDA", "cudaMalloc"};
+    }
+}
+
+/* The label with its "GPU" (if any) replaced by the device's word. */
+static const char *relabel(const char *label, const device_words_t *w, char *buf, size_t len) {
+    const char *gpu = strstr(label, "GPU");
+    if (!gpu) return label;
+    snprintf(buf, len, "%.*s%s%s", (int)(gpu - label), label, w->memory, gpu + 3);
+    return buf;
+}
+
 static void array_rows(text_t *t, const char *label, const vram_stat_t *array, int is_bytes, int abbreviated) {
     formatter_t fmt = is_bytes ? format_size : format_count;
     rule(t, '-');
@@ -116,16 +141,21 @@ vram_status_t vram_memory_summary(vram_pool_t *pool, int abbreviated, char **out
     rule(&t, '=');
     add(&t, "|%*s%s%*s|\n", left, "", title, WIDTH - n - left, "");
     rule(&t, '-');
-    add(&t, "|  %9s CUDA OOMs: %-12lld | %6s cudaMalloc retries: %-8lld  |\n", "", (long long)s.num_ooms, "",
-        (long long)s.num_alloc_retries);
+    /* PyTorch: "|  " + 9 spaces + " CUDA OOMs: " ... + 6 spaces + " cudaMalloc retries: " ...;
+     * other words keep the columns by taking their width from the padding. */
+    device_words_t w = words_for(pool->device.kind);
+    add(&t, "|  %*s %s OOMs: %-12lld | %*s %s retries: %-8lld  |\n", 13 - (int)strlen(w.ooms), "", w.ooms,
+        (long long)s.num_ooms, 16 - (int)strlen(w.alloc), "", w.alloc, (long long)s.num_alloc_retries);
     rule(&t, '=');
     add(&t, "|        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  |\n");
-#define ARRAY_ROWS(key, label, is_bytes) array_rows(&t, label, s.key, is_bytes, abbreviated);
+    char label_buf[64];
+#define ARRAY_ROWS(key, label, is_bytes) \
+    array_rows(&t, relabel(label, &w, label_buf, sizeof label_buf), s.key, is_bytes, abbreviated);
     VRAM_STAT_ARRAYS(ARRAY_ROWS)
 #undef ARRAY_ROWS
 #define SINGLE_ROW(key, label) \
     rule(&t, '-');             \
-    row(&t, label, &s.key, &s.key, format_count);
+    row(&t, relabel(label, &w, label_buf, sizeof label_buf), &s.key, &s.key, format_count);
     VRAM_STAT_SINGLES(SINGLE_ROW)
 #undef SINGLE_ROW
     rule(&t, '=');

@@ -1,7 +1,13 @@
-/* cpu.c — the host backend: segments are anonymous mmap'd, page-aligned mappings.
+/* cpu.c — the host backend: segments are anonymous mmap'd mappings aligned to 2 MiB.
  *
  * mmap rather than malloc so that a released segment really goes back to the OS and a kept
- * one keeps its faulted pages: that reuse is what makes large NumPy temporaries cheap. */
+ * one keeps its faulted pages: that reuse is what makes large NumPy temporaries cheap.
+ * Segments start on a 2 MiB boundary and large ones ask for transparent huge pages (as NumPy
+ * does for arrays of 4 MiB and more), so the pool's 2 MiB page-release units are whole huge
+ * pages: giving them back and faulting them in again costs a few page-table entries, not
+ * 512 each, and never splits a huge page. */
+#include <errno.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,13 +21,57 @@ typedef struct cpu_ctx {
     vram__host_streams_t streams;
 } cpu_ctx_t;
 
+#define SEGMENT_ALIGN ((uintptr_t)2 << 20)
+
 static vram_status_t cpu_segment_alloc(void *ctx, uint64_t size, vram_stream_t stream, uintptr_t *out) {
     (void)ctx;
     (void)stream;
-    void *p = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (size > SIZE_MAX - SEGMENT_ALIGN) return VRAM_ERR_OOM;
+    /* Map 2 MiB more than needed and trim both ends to land on a 2 MiB boundary. */
+    size_t span = (size_t)size + SEGMENT_ALIGN;
+    void *p = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return VRAM_ERR_OOM; /* the pool writes the OOM message */
-    *out = (uintptr_t)p;
+    uintptr_t raw = (uintptr_t)p, start = (raw + SEGMENT_ALIGN - 1) & ~(SEGMENT_ALIGN - 1);
+    if (start > raw) munmap(p, start - raw);
+    if (raw + span > start + size) munmap((void *)(start + size), raw + span - (start + size));
+#ifdef MADV_HUGEPAGE
+    /* Small-pool segments (2 MiB, many small blocks) stay on 4 KiB pages, as NumPy leaves
+     * arrays under 4 MiB: a huge page would make one small block cost 2 MiB of memory. */
+    if (size > SEGMENT_ALIGN) (void)madvise((void *)start, (size_t)size, MADV_HUGEPAGE);
+#endif
+    *out = start;
     return VRAM_OK;
+}
+
+/* Set once MADV_FREE has been refused (kernels before 4.5): MADV_DONTNEED from then on. */
+static atomic_int lazy_free_unsupported;
+
+static vram_status_t cpu_release_pages(void *ctx, uintptr_t addr, uint64_t size, int allow_lazy, int *lazy) {
+    (void)ctx;
+#ifdef MADV_FREE
+    if (allow_lazy && !atomic_load_explicit(&lazy_free_unsupported, memory_order_relaxed)) {
+        if (madvise((void *)addr, (size_t)size, MADV_FREE) == 0) {
+            *lazy = 1;
+            return VRAM_OK;
+        }
+        if (errno != EINVAL)
+            return vram__fail(VRAM_ERR_BACKEND, "madvise(MADV_FREE) of %llu bytes at %p failed: %s",
+                              (unsigned long long)size, (void *)addr, strerror(errno));
+        atomic_store_explicit(&lazy_free_unsupported, 1, memory_order_relaxed);
+    }
+#else
+    (void)allow_lazy;
+#endif
+    if (madvise((void *)addr, (size_t)size, MADV_DONTNEED) != 0)
+        return vram__fail(VRAM_ERR_BACKEND, "madvise(MADV_DONTNEED) of %llu bytes at %p failed: %s",
+                          (unsigned long long)size, (void *)addr, strerror(errno));
+    *lazy = 0;
+    return VRAM_OK;
+}
+
+static vram_status_t cpu_host_memory(void *ctx, vram_host_memory_t *out) {
+    (void)ctx;
+    return vram_host_memory(out);
 }
 
 static void cpu_segment_free(void *ctx, uintptr_t addr, uint64_t size) {
@@ -29,24 +79,14 @@ static void cpu_segment_free(void *ctx, uintptr_t addr, uint64_t size) {
     munmap((void *)addr, (size_t)size);
 }
 
-/* Free memory as the kernel estimates it (MemAvailable), total as physical RAM. */
+/* Free and total as the host check sees them: MemAvailable plus free swap and physical RAM,
+ * each bounded by the cgroup's memory limit where one applies. */
 static vram_status_t cpu_mem_info(void *ctx, uint64_t *free_bytes, uint64_t *total_bytes) {
-    (void)ctx;
-    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-    *total_bytes = (pages > 0 && page > 0) ? (uint64_t)pages * (uint64_t)page : 0;
-    long avail = sysconf(_SC_AVPHYS_PAGES);
-    *free_bytes = (avail > 0 && page > 0) ? (uint64_t)avail * (uint64_t)page : 0;
-    FILE *f = fopen("/proc/meminfo", "r");
-    if (f) {
-        char line[256];
-        unsigned long long kb;
-        while (fgets(line, sizeof line, f))
-            if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) {
-                *free_bytes = kb * 1024ull;
-                break;
-            }
-        fclose(f);
-    }
+    vram_host_memory_t info;
+    vram_status_t status = cpu_host_memory(ctx, &info);
+    if (status != VRAM_OK) return status;
+    *free_bytes = info.available;
+    *total_bytes = info.total;
     return VRAM_OK;
 }
 
@@ -82,6 +122,8 @@ static const vram_backend_t cpu_backend = {
     .event_synchronize = cpu_event_synchronize,
     .event_destroy = cpu_event_destroy,
     .destroy = cpu_destroy,
+    .release_pages = cpu_release_pages,
+    .host_memory = cpu_host_memory,
 };
 
 const vram_backend_t *vram_backend_cpu(void) { return &cpu_backend; }

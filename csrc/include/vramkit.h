@@ -108,6 +108,26 @@ VRAM_API int vram_sim_count(void);
 
 typedef struct vram_pool vram_pool_t;
 
+/* Host memory as the kernel and this process's cgroup see it: what the cpu pool checks before
+ * it maps a new segment. On Linux mmap almost never fails (overcommit), so a host caching
+ * allocator that waited for a failure would be stopped by the OOM killer instead. */
+typedef struct vram_host_memory {
+    uint64_t total;              /* what this process may use: min(MemTotal, cgroup limit) */
+    uint64_t available;          /* what it can still map and touch: min(MemAvailable + SwapFree, the
+                                  * cgroup's limit - (usage - inactive file pages) + its free swap) */
+    uint64_t ram_total;          /* MemTotal */
+    uint64_t mem_available;      /* MemAvailable (page cache and lazily freed pages count as free) */
+    uint64_t swap_free;          /* SwapFree */
+    uint64_t cgroup_limit;       /* the tightest memory limit on the way to the root; UINT64_MAX if none */
+    uint64_t cgroup_usage;       /* that cgroup's usage (memory.current / memory.usage_in_bytes) */
+    uint64_t cgroup_reclaimable; /* of which inactive file pages, which the kernel reclaims first */
+    int cgroup_version;          /* 1 or 2 for the memory controller found, 0 if none */
+    char cgroup_path[244];       /* directory of the cgroup whose limit binds ("" if none) */
+} vram_host_memory_t;
+/* Read the host's memory now (about 10 us, more with a cgroup limit). Never fails on Linux; on
+ * other systems the cgroup fields stay empty. */
+VRAM_API VRAM_NODISCARD vram_status_t vram_host_memory(vram_host_memory_t *out);
+
 /* The backend a pool draws segments from. Host backends (cpu, sim) simulate streams: work
  * queued on a stream counts as finished once vram_pool_synchronize() is called for it. */
 typedef struct vram_backend {
@@ -123,6 +143,14 @@ typedef struct vram_backend {
     vram_status_t (*event_synchronize)(void *ctx, void *event);
     void (*event_destroy)(void *ctx, void *event);
     void (*destroy)(void *ctx);
+    /* Host backends only (NULL elsewhere). Give the pages of [addr, addr + size) back to the
+     * kernel but keep the range mapped: lazily when allow_lazy (MADV_FREE: the kernel takes
+     * them only under pressure, and reuse before that costs nothing), else at once
+     * (MADV_DONTNEED). *lazy tells which was done. */
+    vram_status_t (*release_pages)(void *ctx, uintptr_t addr, uint64_t size, int allow_lazy, int *lazy);
+    /* Host backends only (NULL elsewhere): the host's memory now. A pool whose backend has it
+     * checks each new segment against it (host_memory_check). */
+    vram_status_t (*host_memory)(void *ctx, vram_host_memory_t *out);
 } vram_backend_t;
 
 /* The pool for a device, created on first use and kept for the life of the process (arrays
@@ -152,6 +180,13 @@ VRAM_API VRAM_NODISCARD vram_status_t vram_backend_cuda_ctx(int device_index, vo
  * layer passes an interned stack id. */
 VRAM_API VRAM_NODISCARD vram_status_t vram_malloc(vram_pool_t *pool, uint64_t size, vram_stream_t stream,
                                                   uint64_t context, void **out);
+/* vram_malloc, zero-filled: host pools only (VRAM_ERR_INVALID_ARG elsewhere). Pages that were
+ * never handed out since they were mapped are known to be zero and are not written, so a
+ * large calloc from a fresh segment costs no memory until it is used, as with glibc. */
+VRAM_API VRAM_NODISCARD vram_status_t vram_calloc(vram_pool_t *pool, uint64_t size, vram_stream_t stream,
+                                                  uint64_t context, void **out);
+/* 1 if the pool's backend is host memory (cpu): the host_* options and counters apply. */
+VRAM_API int vram_pool_is_host(const vram_pool_t *pool);
 /* Return a pointer from vram_malloc. NULL is a no-op. An unknown or already freed pointer is
  * VRAM_ERR_INVALID_ARG and changes nothing. */
 VRAM_API VRAM_NODISCARD vram_status_t vram_free(vram_pool_t *pool, void *ptr, uint64_t context);
@@ -196,6 +231,15 @@ typedef struct vram_settings {
     double memory_fraction;           /* 1 when no fraction cap */
     uint64_t memory_limit;            /* VRAM_NO_LIMIT when no absolute cap */
     uint64_t allowed_bytes;           /* the effective cap on reserved bytes now */
+    /* Host pools (cpu) only; the host_* options of VRAMKIT_ALLOC_CONF. */
+    int host_memory_check;            /* 1: refuse a new segment the host cannot give (then the OOM ladder) */
+    int host_lazy_free;               /* 1: give pages back with MADV_FREE, 0: MADV_DONTNEED */
+    uint64_t host_reserve;            /* bytes the check leaves to the rest of the process and host */
+    uint64_t host_page_release;       /* give a free block's pages back once this many bytes of them hold
+                                       * memory; VRAM_NO_LIMIT: never */
+    uint64_t host_cache_limit_bytes;  /* configured cap on cached bytes; VRAM_NO_LIMIT: none */
+    double host_cache_limit_fraction; /* configured cap as a fraction of total capacity; < 0: none */
+    uint64_t host_cache_limit;        /* the effective cap on reserved - allocated bytes; UINT64_MAX: none */
 } vram_settings_t;
 VRAM_API VRAM_NODISCARD vram_status_t vram_get_settings(vram_pool_t *pool, vram_settings_t *out);
 
@@ -233,6 +277,15 @@ VRAM_API VRAM_NODISCARD vram_status_t vram_pool_check(vram_pool_t *pool);
     X(num_device_alloc)       \
     X(num_device_free)
 
+/* Host pools' event counters (reported for cpu only), zeroed by reset_accumulated: X(key).
+ *   num_host_page_releases         madvise calls that gave a free block's pages back
+ *   num_host_cache_limit_releases  segments unmapped because the cache exceeded its limit
+ *   num_host_memory_rejections     new segments refused because the host could not give them */
+#define VRAM_HOST_COUNTERS(X)         \
+    X(num_host_page_releases)         \
+    X(num_host_cache_limit_releases)  \
+    X(num_host_memory_rejections)
+
 /* The pool-type index order is PyTorch's StatType: aggregate, small, large. */
 enum { VRAM_STAT_ALL = 0, VRAM_STAT_SMALL_POOL = 1, VRAM_STAT_LARGE_POOL = 2, VRAM_STAT_TYPES = 3 };
 
@@ -240,7 +293,7 @@ typedef struct vram_stat {
     int64_t current, peak, allocated, freed;
 } vram_stat_t;
 
-#define VRAM_STATS_VERSION 1
+#define VRAM_STATS_VERSION 2
 typedef struct vram_stats {
     uint64_t size;    /* sizeof(vram_stats_t) as the caller knows it */
     uint32_t version; /* VRAM_STATS_VERSION */
@@ -254,7 +307,16 @@ typedef struct vram_stats {
     VRAM_STAT_COUNTERS(VRAM__STAT_COUNTER_FIELD)
 #undef VRAM__STAT_COUNTER_FIELD
     int64_t max_split_size; /* -1 when unlimited, as PyTorch reports it */
-    int64_t reserved_for_growth[8];
+    /* Host pools (cpu) only, 0 elsewhere. */
+    int64_t host_cache_limit;       /* the cap on reserved - allocated bytes; -1 when none */
+    int64_t host_reclaimable_bytes; /* cached bytes whose pages hold nothing the kernel cannot take back
+                                     * (given back with madvise, or never touched) */
+    int64_t host_lazy_reused_bytes; /* bytes handed out again after MADV_FREE: the kernel still counts
+                                     * them as free, so the host check subtracts them */
+#define VRAM__HOST_COUNTER_FIELD(key) int64_t key;
+    VRAM_HOST_COUNTERS(VRAM__HOST_COUNTER_FIELD)
+#undef VRAM__HOST_COUNTER_FIELD
+    int64_t reserved_for_growth[2];
 } vram_stats_t;
 
 /* Copy the counters. Set out->size = sizeof(vram_stats_t) first. */

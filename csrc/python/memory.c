@@ -257,11 +257,47 @@ static PyObject *get_settings(PyObject *self, PyObject *args, PyObject *kwargs) 
         }
         PyList_SET_ITEM(divisions, i, d);
     }
-    return Py_BuildValue("{s:N,s:K,s:N,s:d,s:d,s:N,s:N}", "max_split_size", bytes_or_none(s.max_split_size),
-                         "max_non_split_rounding", (unsigned long long)s.max_non_split_rounding,
-                         "roundup_power2_divisions", divisions, "garbage_collection_threshold",
-                         s.garbage_collection_threshold, "memory_fraction", s.memory_fraction, "memory_limit",
-                         bytes_or_none(s.memory_limit), "allowed_bytes", bytes_or_none(s.allowed_bytes));
+    PyObject *d = Py_BuildValue("{s:N,s:K,s:N,s:d,s:d,s:N,s:N}", "max_split_size", bytes_or_none(s.max_split_size),
+                                "max_non_split_rounding", (unsigned long long)s.max_non_split_rounding,
+                                "roundup_power2_divisions", divisions, "garbage_collection_threshold",
+                                s.garbage_collection_threshold, "memory_fraction", s.memory_fraction, "memory_limit",
+                                bytes_or_none(s.memory_limit), "allowed_bytes", bytes_or_none(s.allowed_bytes));
+    if (!d || !vram_pool_is_host(pool)) return d;
+    PyObject *fraction = s.host_cache_limit_fraction < 0 ? Py_NewRef(Py_None)
+                                                         : PyFloat_FromDouble(s.host_cache_limit_fraction);
+    PyObject *host = Py_BuildValue("{s:O,s:O,s:K,s:N,s:N,s:N,s:N}", "host_memory_check",
+                                   s.host_memory_check ? Py_True : Py_False, "host_lazy_free",
+                                   s.host_lazy_free ? Py_True : Py_False, "host_reserve",
+                                   (unsigned long long)s.host_reserve, "host_page_release",
+                                   bytes_or_none(s.host_page_release), "host_cache_limit_bytes",
+                                   bytes_or_none(s.host_cache_limit_bytes), "host_cache_limit_fraction", fraction,
+                                   "host_cache_limit", bytes_or_none(s.host_cache_limit));
+    if (!host || PyDict_Update(d, host) != 0) {
+        Py_XDECREF(host);
+        Py_DECREF(d);
+        return NULL;
+    }
+    Py_DECREF(host);
+    return d;
+}
+
+/* host_memory_info() -> dict of vram_host_memory_t: what the cpu pool's check sees. */
+static PyObject *host_memory_info(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    vram_host_memory_t h;
+    vram_status_t status;
+    Py_BEGIN_ALLOW_THREADS
+    status = vram_host_memory(&h);
+    Py_END_ALLOW_THREADS
+    if (status != VRAM_OK) return vk_raise(status);
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:N,s:K,s:K,s:i,s:s}", "total", (unsigned long long)h.total,
+                         "available", (unsigned long long)h.available, "ram_total", (unsigned long long)h.ram_total,
+                         "mem_available", (unsigned long long)h.mem_available, "swap_free",
+                         (unsigned long long)h.swap_free, "cgroup_limit", bytes_or_none(h.cgroup_limit),
+                         "cgroup_usage", (unsigned long long)h.cgroup_usage, "cgroup_reclaimable",
+                         (unsigned long long)h.cgroup_reclaimable, "cgroup_version", h.cgroup_version, "cgroup_path",
+                         h.cgroup_path);
 }
 
 static PyObject *pool_check(PyObject *self, PyObject *args, PyObject *kwargs) {
@@ -273,9 +309,10 @@ static PyObject *pool_check(PyObject *self, PyObject *args, PyObject *kwargs) {
     Py_RETURN_NONE;
 }
 
-static int get_stats(PyObject *args, PyObject *kwargs, const char *format, vram_stats_t *s) {
+static int get_stats(PyObject *args, PyObject *kwargs, const char *format, vram_stats_t *s, vram_pool_t **out) {
     vram_pool_t *pool;
     if (pool_only(args, kwargs, format, &pool) != 0) return -1;
+    if (out) *out = pool;
     s->size = sizeof *s;
     vram_status_t status = vram_get_stats(pool, s);
     if (status != VRAM_OK) {
@@ -309,7 +346,8 @@ static int put_stat(PyObject *dict, const char *prefix, const vram_stat_t *s) {
 static PyObject *memory_stats(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
     vram_stats_t s;
-    if (get_stats(args, kwargs, "|O:memory_stats", &s) != 0) return NULL;
+    vram_pool_t *pool;
+    if (get_stats(args, kwargs, "|O:memory_stats", &s, &pool) != 0) return NULL;
     PyObject *d = PyDict_New();
     if (!d) return NULL;
     static const char *const types[VRAM_STAT_TYPES] = {"all", "small_pool", "large_pool"};
@@ -330,6 +368,15 @@ static PyObject *memory_stats(PyObject *self, PyObject *args, PyObject *kwargs) 
     VRAM_STAT_COUNTERS(ADD_COUNTER)
 #undef ADD_COUNTER
     if (put(d, "max_split_size", s.max_split_size)) goto fail;
+    if (s.version >= 2 && vram_pool_is_host(pool)) { /* host pools add their own keys */
+        if (put(d, "host_cache_limit", s.host_cache_limit) || put(d, "host_reclaimable_bytes", s.host_reclaimable_bytes) ||
+            put(d, "host_lazy_reused_bytes", s.host_lazy_reused_bytes))
+            goto fail;
+#define ADD_HOST_COUNTER(key) \
+    if (put(d, #key, s.key)) goto fail;
+        VRAM_HOST_COUNTERS(ADD_HOST_COUNTER)
+#undef ADD_HOST_COUNTER
+    }
     return d;
 fail:
     Py_DECREF(d);
@@ -340,7 +387,7 @@ fail:
 static PyObject *memory_counters(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
     vram_stats_t s;
-    if (get_stats(args, kwargs, "|O:memory_counters", &s) != 0) return NULL;
+    if (get_stats(args, kwargs, "|O:memory_counters", &s, NULL) != 0) return NULL;
     return Py_BuildValue("(LLLL)", (long long)s.allocated_bytes[VRAM_STAT_ALL].current,
                          (long long)s.allocated_bytes[VRAM_STAT_ALL].peak,
                          (long long)s.reserved_bytes[VRAM_STAT_ALL].current,
@@ -414,6 +461,7 @@ static PyMethodDef methods[] = {
      "synchronize(device=None, stream=None)\n\nWait for a stream (or all) and return blocks whose events finished."},
     {"empty_cache", (PyCFunction)(void (*)(void))empty_cache, KW, "empty_cache(device=None) -> bytes released"},
     {"mem_get_info", (PyCFunction)(void (*)(void))mem_get_info, KW, "mem_get_info(device=None) -> (free, total)"},
+    {"host_memory_info", host_memory_info, METH_NOARGS, "host_memory_info() -> dict: the host memory the cpu pool checks"},
     {"set_memory_fraction", set_memory_fraction, METH_VARARGS, "set_memory_fraction(fraction, device)"},
     {"set_memory_limit", set_memory_limit, METH_VARARGS, "set_memory_limit(nbytes_or_None, device)"},
     {"configure", configure, METH_VARARGS, "configure(conf_string, device): VRAMKIT_ALLOC_CONF syntax"},

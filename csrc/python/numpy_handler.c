@@ -15,19 +15,46 @@
 static vram_pool_t *cpu_pool;
 static PyObject *handler_capsule; /* kept forever: arrays hold it too */
 
+/* NumPy turns a NULL from the handler into its own MemoryError ("Unable to allocate 16.0 GiB
+ * for an array with shape ..."), which says nothing of why. Say it in a warning: which limit
+ * bound (the cgroup's, MemAvailable, a vramkit limit) and what vramkit held. */
+static void warn_oom(vram_status_t status) {
+    if (status != VRAM_ERR_OOM) return;
+    PyGILState_STATE gil = PyGILState_Ensure();
+    /* We are inside NumPy's allocation of an array: no finalizer may run here (context.c). */
+    int gc_was_enabled = PyGC_Disable();
+    if (PyErr_WarnFormat(PyExc_RuntimeWarning, 1, "vramkit could not allocate this NumPy array: %s",
+                         vram_last_error()) != 0)
+        PyErr_Clear(); /* warnings turned into errors: NumPy raises its MemoryError anyway */
+    if (gc_was_enabled) PyGC_Enable();
+    PyGILState_Release(gil);
+}
+
 /* NumPy may ask for 0 bytes and treats NULL as failure; give it the smallest block. */
 static void *np_malloc(void *ctx, size_t size) {
     (void)ctx;
     void *p = NULL;
-    if (vram_malloc(cpu_pool, size ? size : 1, 0, vk_capture_context(cpu_pool), &p) != VRAM_OK) return NULL;
+    vram_status_t status = vram_malloc(cpu_pool, size ? size : 1, 0, vk_capture_context(cpu_pool), &p);
+    if (status != VRAM_OK) {
+        warn_oom(status);
+        return NULL;
+    }
     return p;
 }
 
+/* Zeroed by the pool where needed: cached blocks hold old data, but pages untouched since
+ * they were mapped are zero already, and writing them would make np.zeros of a huge array
+ * cost its whole size in memory at once (NumPy's default calloc does not). */
 static void *np_calloc(void *ctx, size_t nelem, size_t elsize) {
+    (void)ctx;
     if (elsize && nelem > SIZE_MAX / elsize) return NULL;
     size_t size = nelem * elsize;
-    void *p = np_malloc(ctx, size);
-    if (p) memset(p, 0, size); /* cached blocks hold old data, unlike fresh mmap pages */
+    void *p = NULL;
+    vram_status_t status = vram_calloc(cpu_pool, size ? size : 1, 0, vk_capture_context(cpu_pool), &p);
+    if (status != VRAM_OK) {
+        warn_oom(status);
+        return NULL;
+    }
     return p;
 }
 

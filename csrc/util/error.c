@@ -5,7 +5,7 @@
 #include <stdio.h>
 
 /* One buffer per thread: a failure on one thread never clobbers another's message. */
-static _Thread_local char last_error[1024];
+static _Thread_local char last_error[2048]; /* the host OOM message runs to about 900 */
 
 vram_status_t vram__fail(vram_status_t status, const char *fmt, ...) {
     va_list args;

@@ -21,6 +21,7 @@ from .memory import (
     empty,
     empty_cache,
     get_settings,
+    host_memory_info,
     max_memory_allocated,
     max_memory_reserved,
     mem_get_info,
@@ -51,7 +52,8 @@ _C._set_hidden_prefix(_here, _here + "examples" + _os.sep)
 
 __all__ = [
     "Buffer", "CacheReport", "OutOfMemoryError", "VramkitError", "clear_cache", "configure", "current_device",
-    "device_count", "dump_snapshot", "empty", "empty_cache", "get_settings", "is_available", "max_memory_allocated",
+    "device_count", "dump_snapshot", "empty", "empty_cache", "get_settings", "host_memory_info", "is_available",
+    "max_memory_allocated",
     "max_memory_reserved", "mem_get_info", "memory_allocated", "memory_reserved", "memory_snapshot", "memory_stats",
     "memory_summary", "pool_check", "raw_alloc", "raw_free", "record_memory_history", "record_stream",
     "reset_accumulated_memory_stats", "reset_peak_memory_stats", "set_device", "set_memory_limit", "amp",

@@ -54,6 +54,13 @@ def memory_stats(device: DeviceLike = None) -> "collections.OrderedDict[str, int
     large_pool} x {current, peak, allocated, freed}; then num_alloc_retries, num_ooms,
     num_sync_all_streams, num_device_alloc, num_device_free, max_split_size and the
     oversize_allocations / oversize_segments counters.
+
+    The cpu pool adds its host keys: host_cache_limit (the cap on reserved - allocated bytes,
+    -1 for none), host_reclaimable_bytes (cached bytes whose pages hold nothing the kernel
+    cannot take back: given back with madvise, or never touched), host_lazy_reused_bytes
+    (bytes handed out again after MADV_FREE, which the kernel still counts as free), and the
+    counters num_host_page_releases, num_host_cache_limit_releases and
+    num_host_memory_rejections (new segments refused because the host could not give them).
     """
     return collections.OrderedDict(sorted(_C.memory_stats(device).items()))
 
@@ -115,9 +122,26 @@ def empty_cache(device: DeviceLike = None) -> int:
 
 
 def mem_get_info(device: DeviceLike = None) -> tuple[int, int]:
-    """(free, total) bytes of the device as its backend reports them (cudaMemGetInfo on CUDA,
-    MemAvailable and physical RAM on cpu, capacity minus reserved on sim)."""
+    """(free, total) bytes of the device as its backend reports them: cudaMemGetInfo on CUDA,
+    capacity minus reserved on sim, and on cpu what the cpu pool checks each new segment
+    against (host_memory_info()'s available and total, less the pages vramkit reused after
+    MADV_FREE, which the kernel still counts as free)."""
     return _C.mem_get_info(device)
+
+
+def host_memory_info() -> dict[str, Any]:
+    """The host memory the cpu pool checks before it maps a new segment, in bytes.
+
+    total: what this process may use, min(MemTotal, cgroup limit). available: what it can
+    still map and touch, min(MemAvailable + SwapFree, the cgroup's limit minus what it cannot
+    reclaim plus its free swap). ram_total, mem_available, swap_free: from /proc/meminfo.
+    cgroup_limit (None if no limit applies), cgroup_usage and cgroup_reclaimable (inactive
+    file pages) of the tightest memory cgroup from this process's up to the root, its
+    directory cgroup_path, and cgroup_version (1, 2, or 0 without a memory controller).
+    Containers and CI runners set such limits; past them the kernel's OOM killer ends the
+    process even when the machine has memory free.
+    """
+    return _C.host_memory_info()
 
 
 def set_per_process_memory_fraction(fraction: float, device: DeviceLike = None) -> None:
@@ -158,6 +182,11 @@ def configure(device: DeviceLike = None, **options: Any) -> dict[str, Any]:
     mapping like {256: 1, 512: 2, ">": 8}), garbage_collection_threshold,
     per_process_memory_fraction, memory_limit_mb. None resets max_split_size_mb and
     memory_limit_mb. All or nothing: on error nothing changes.
+
+    The cpu pool also takes the host_* options (see the README): host_memory_check (bool),
+    host_reserve_mb, host_page_release_mb (None: never), host_lazy_free (bool),
+    host_cache_limit_mb and host_cache_limit_fraction (None: no cap). Other devices refuse
+    them with ValueError.
     """
     if options:
         _C.configure(",".join(_format_option(k, v) for k, v in options.items()), device)

@@ -209,13 +209,16 @@ static void test_summary_layout(void) {
     /* 6 header lines + 9 groups x (rule + 3 rows) + 2 x (rule + row) + closing rule. */
     CHECK(lines == 6 + 9 * 4 + 2 * 2 + 1);
     CHECK_CONTAINS(text, "|                   vramkit memory summary, device sim:99                   |\n");
-    CHECK_CONTAINS(text, "|            CUDA OOMs: 0            |        cudaMalloc retries: 0         |\n");
+    /* A simulated device names itself where PyTorch's table says CUDA and GPU. */
+    CHECK_CONTAINS(text, "|             sim OOMs: 0            |         sim alloc retries: 0         |\n");
     CHECK_CONTAINS(text, "|        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  |\n");
     CHECK_CONTAINS(text, "| Allocated memory      |  14668 KiB |  14668 KiB |  14668 KiB |      0 B   |\n");
-    CHECK_CONTAINS(text, "| GPU reserved memory   |  16384 KiB |  16384 KiB |  16384 KiB |      0 B   |\n");
+    CHECK_CONTAINS(text, "| sim reserved memory   |  16384 KiB |  16384 KiB |  16384 KiB |      0 B   |\n");
+    CHECK_CONTAINS(text, "| sim reserved segments |       1    |       1    |       1    |       0    |\n");
     CHECK_CONTAINS(text, "|       from small pool |      0 KiB |      0 KiB |      0 KiB |      0 B   |\n");
     CHECK_CONTAINS(text, "| Allocations           |       1    |       1    |       1    |       0    |\n");
-    CHECK_CONTAINS(text, "| Oversize GPU segments |       0    |       0    |       0    |       0    |\n");
+    CHECK_CONTAINS(text, "| Oversize sim segments |       0    |       0    |       0    |       0    |\n");
+    CHECK(strstr(text, "GPU") == NULL && strstr(text, "CUDA") == NULL && strstr(text, "cudaMalloc") == NULL);
     free(text);
     CHECK_OK(vram_memory_summary(pool, 1, &text));
     CHECK(count_lines(text) == 6 + 9 * 2 + 2 * 2 + 1);
@@ -223,6 +226,33 @@ static void test_summary_layout(void) {
     free(text);
     CHECK_OK(vram_free(pool, a, 0));
     vram_pool_destroy(pool);
+
+    /* A CUDA device keeps PyTorch's words byte for byte (a sim backend standing in for CUDA). */
+    void *ctx = NULL;
+    CHECK_OK(vram_backend_sim_ctx(GiB, &ctx));
+    CHECK_OK(vram_pool_create(vram_backend_sim(), ctx, (vram_device_t){VRAM_DEVICE_CUDA, 3}, NULL, &pool));
+    CHECK_OK(vram_memory_summary(pool, 0, &text));
+    CHECK_CONTAINS(text, "|            CUDA OOMs: 0            |        cudaMalloc retries: 0         |\n");
+    CHECK_CONTAINS(text, "| GPU reserved memory   |      0 B   |      0 B   |      0 B   |      0 B   |\n");
+    CHECK_CONTAINS(text, "| GPU reserved segments |       0    |       0    |       0    |       0    |\n");
+    CHECK_CONTAINS(text, "| Oversize GPU segments |       0    |       0    |       0    |       0    |\n");
+    free(text);
+    vram_pool_destroy(pool);
+}
+
+/* The cpu pool's table: CPU where PyTorch says CUDA and GPU, mmap for cudaMalloc. */
+static void test_summary_labels_cpu(void) {
+    vram_pool_t *pool;
+    CHECK_OK(vram_device_pool((vram_device_t){VRAM_DEVICE_CPU, 0}, &pool));
+    char *text = NULL;
+    CHECK_OK(vram_memory_summary(pool, 0, &text));
+    CHECK_CONTAINS(text, "|             CPU OOMs: ");
+    CHECK_CONTAINS(text, "|              mmap retries: ");
+    CHECK_CONTAINS(text, "| CPU reserved memory   |");
+    CHECK_CONTAINS(text, "| CPU reserved segments |");
+    CHECK_CONTAINS(text, "| Oversize CPU segments |");
+    for (char *line = text, *nl; (nl = strchr(line, '\n')); line = nl + 1) CHECK(nl - line == 77);
+    free(text);
 }
 
 static void test_cuda_backend_degrades_without_a_gpu(void) {
@@ -280,5 +310,6 @@ int main(void) {
     RUN(test_history);
     RUN(test_snapshot_segments_and_blocks);
     RUN(test_summary_layout);
+    RUN(test_summary_labels_cpu);
     return harness_finish();
 }

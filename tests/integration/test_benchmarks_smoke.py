@@ -45,7 +45,7 @@ def quick_report() -> dict:
 
 def test_every_benchmark_reports_rows(quick_report):
     names = [row["benchmark"] for row in quick_report["rows"]]
-    for prefix in ("alloc:", "numpy:", "fragmentation:", "amp:"):
+    for prefix in ("alloc:", "numpy:", "numpy pressure:", "fragmentation:", "amp:"):
         assert any(n.startswith(prefix) for n in names), f"no {prefix} rows in {names}"
     assert quick_report["quick"] is True
     assert quick_report["machine"]["cpu"]

@@ -62,12 +62,16 @@ def test_sim_differential():
 
 @pytest.mark.slow
 def test_cpu_differential():
-    vramkit.configure("cpu", max_split_size_mb=32)  # exercise the oversize rules on real memory
+    # Exercise the oversize rules on real memory. The model is PyTorch's policy, which has no
+    # host cache limit: lift it, so a machine with little RAM gives the same sequence. Pages
+    # are still given back (64 MiB blocks) and checked by pool_check after every step.
+    before = vramkit.get_settings("cpu")["host_cache_limit_fraction"]
+    vramkit.configure("cpu", max_split_size_mb=32, host_cache_limit_fraction=None)
     try:
         model = AllocatorModel("cpu", touch_memory=True, max_split=32 * MiB)
         run_random(model, OPS, seed=7)
     finally:
-        vramkit.configure("cpu", max_split_size_mb=None)
+        vramkit.configure("cpu", max_split_size_mb=None, host_cache_limit_fraction=before)
 
 
 class AllocatorMachine(RuleBasedStateMachine):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
 import subprocess
 import sys
 
@@ -302,6 +301,7 @@ def test_profile_and_track():
 
 def test_import_checkpoint_does_not_import_torch():
     code = "import sys, vramkit.checkpoint as c; assert 'torch' not in sys.modules; c.plan; print('ok')"
-    env = dict(os.environ)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    from conftest import subprocess_env  # the child must import the same vramkit as the tests
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env())
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr

@@ -116,8 +116,26 @@ def _torch_summary(stats: dict, abbreviated: bool) -> str:
         tcm.memory_stats, tcm._get_device_index = original_stats, original_index
 
 
+# PyTorch's CUDA words and what a simulated or host device's table says in their place,
+# written out by hand: header line (0 OOMs, 0 retries), and row labels of the same length.
+DEVICE_HEADERS = {
+    "sim": "|             sim OOMs: 0            |         sim alloc retries: 0         |",
+    "cpu": "|             CPU OOMs: 0            |              mmap retries: 0         |",
+}
+TORCH_HEADER = "|            CUDA OOMs: 0            |        cudaMalloc retries: 0         |"
+
+
+def _as_device(torch_lines: list[str], kind: str) -> list[str]:
+    word = {"sim": "sim", "cpu": "CPU"}[kind]
+    lines = [line.replace("GPU reserved", f"{word} reserved").replace("Oversize GPU", f"Oversize {word}")
+             for line in torch_lines]
+    assert lines[3] == TORCH_HEADER
+    return lines[:3] + [DEVICE_HEADERS[kind]] + lines[4:]
+
+
 @pytest.mark.parametrize("abbreviated", [False, True])
 def test_summary_matches_torch_formatter(sim, abbreviated):
+    """Byte for byte torch's table apart from the title and the device's own words."""
     ptrs = [vramkit.raw_alloc(n, sim) for n in (100, 5000, 900_000, 3 * MiB, 50 * MiB, 700 * MiB)]
     for p in ptrs[::2]:
         vramkit.raw_free(p)
@@ -126,10 +144,24 @@ def test_summary_matches_torch_formatter(sim, abbreviated):
     assert len(ours) == len(theirs)
     assert ours[1].strip("| ") == f"vramkit memory summary, device {sim}"
     assert "PyTorch CUDA memory summary, device ID 0" in theirs[1]
-    assert ours[:1] + ours[2:] == theirs[:1] + theirs[2:]  # byte for byte apart from the title
+    expected = _as_device(theirs, "sim")
+    assert ours[:1] + ours[2:] == expected[:1] + expected[2:]
+    assert not any(w in line for line in ours for w in ("CUDA", "GPU", "cudaMalloc"))
     assert all(len(line) == 77 for line in ours)
     for p in ptrs[1::2]:
         vramkit.raw_free(p)
+
+
+def test_cpu_summary_matches_torch_formatter():
+    vramkit.reset_accumulated_memory_stats("cpu")  # OOMs and retries of earlier tests
+    a = vramkit.raw_alloc(3 * MiB, "cpu")
+    stats = vramkit.memory_stats("cpu")
+    ours = vramkit.memory_summary("cpu").splitlines()
+    theirs = _torch_summary({k: v for k, v in stats.items() if not k.startswith(("host_", "num_host_"))},
+                            False).splitlines()
+    expected = _as_device(theirs, "cpu")
+    assert ours[:1] + ours[2:] == expected[:1] + expected[2:]
+    vramkit.raw_free(a)
 
 
 def test_summary_counts_ooms_and_retries():
@@ -138,5 +170,5 @@ def test_summary_counts_ooms_and_retries():
     with pytest.raises(vramkit.OutOfMemoryError):
         vramkit.raw_alloc(40 * MiB, small)
     text = vramkit.memory_summary(small)
-    assert "CUDA OOMs: 1 " in text and "cudaMalloc retries: 1 " in text
+    assert "|             sim OOMs: 1            |         sim alloc retries: 1         |" in text
     vramkit.raw_free(p)

@@ -1,0 +1,359 @@
+/* test_host.c — the host pool's protection against the OOM killer, on a scripted host.
+ *
+ * The fake backend hands out real memory from the cpu backend (so blocks can be written and
+ * read back) but answers host_memory from a model of a small machine: `total` bytes, of which
+ * mapped segments use their size, except that pages given back with MADV_FREE count as
+ * available, and keep counting so after they are written again, as Linux's MemAvailable does
+ * until reclaim rescans them. Expected values follow from that model, not from vramkit. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+
+#define UNIT (2 * MiB)
+#define MAX_ADVISED 4096
+
+typedef struct fake_host {
+    void *cpu_ctx;
+    uint64_t total, mapped;
+    uintptr_t advised[MAX_ADVISED]; /* 2 MiB units the fake kernel counts as lazily free */
+    int num_advised;
+    int release_calls;
+} fake_host_t;
+
+static int advised_index(const fake_host_t *h, uintptr_t unit) {
+    for (int i = 0; i < h->num_advised; i++)
+        if (h->advised[i] == unit) return i;
+    return -1;
+}
+
+static vram_status_t fake_alloc(void *ctx, uint64_t size, vram_stream_t stream, uintptr_t *out) {
+    fake_host_t *h = ctx;
+    vram_status_t status = vram_backend_cpu()->segment_alloc(h->cpu_ctx, size, stream, out);
+    if (status == VRAM_OK) h->mapped += size;
+    return status;
+}
+
+static void fake_free(void *ctx, uintptr_t addr, uint64_t size) {
+    fake_host_t *h = ctx;
+    for (uintptr_t u = addr; u < addr + size; u += UNIT) {
+        int i = advised_index(h, u);
+        if (i >= 0) h->advised[i] = h->advised[--h->num_advised];
+    }
+    h->mapped -= size;
+    vram_backend_cpu()->segment_free(h->cpu_ctx, addr, size);
+}
+
+static vram_status_t fake_release(void *ctx, uintptr_t addr, uint64_t size, int allow_lazy, int *lazy) {
+    fake_host_t *h = ctx;
+    vram_status_t status = vram_backend_cpu()->release_pages(h->cpu_ctx, addr, size, allow_lazy, lazy);
+    if (status != VRAM_OK) return status;
+    h->release_calls++;
+    *lazy = allow_lazy; /* the model: lazy when asked, whatever this kernel supports */
+    if (allow_lazy)
+        for (uintptr_t u = addr; u < addr + size; u += UNIT)
+            if (advised_index(h, u) < 0 && h->num_advised < MAX_ADVISED) h->advised[h->num_advised++] = u;
+    return VRAM_OK;
+}
+
+static vram_status_t fake_host_memory(void *ctx, vram_host_memory_t *out) {
+    fake_host_t *h = ctx;
+    memset(out, 0, sizeof *out);
+    uint64_t lazily_free = (uint64_t)h->num_advised * UNIT;
+    uint64_t used = h->mapped > lazily_free ? h->mapped - lazily_free : 0;
+    out->total = out->ram_total = h->total;
+    out->available = out->mem_available = h->total > used ? h->total - used : 0;
+    out->cgroup_limit = UINT64_MAX;
+    return VRAM_OK;
+}
+
+static vram_status_t fake_mem_info(void *ctx, uint64_t *free_bytes, uint64_t *total) {
+    vram_host_memory_t m;
+    vram_status_t status = fake_host_memory(ctx, &m);
+    *free_bytes = m.available;
+    *total = m.total;
+    return status;
+}
+
+static vram_status_t fake_sync(void *ctx, vram_stream_t s) {
+    return vram_backend_cpu()->synchronize(((fake_host_t *)ctx)->cpu_ctx, s);
+}
+static vram_status_t fake_event_record(void *ctx, vram_stream_t s, void **e) {
+    return vram_backend_cpu()->event_record(((fake_host_t *)ctx)->cpu_ctx, s, e);
+}
+static vram_status_t fake_event_query(void *ctx, void *e, int *done) {
+    return vram_backend_cpu()->event_query(((fake_host_t *)ctx)->cpu_ctx, e, done);
+}
+static vram_status_t fake_event_sync(void *ctx, void *e) {
+    return vram_backend_cpu()->event_synchronize(((fake_host_t *)ctx)->cpu_ctx, e);
+}
+static void fake_event_destroy(void *ctx, void *e) {
+    vram_backend_cpu()->event_destroy(((fake_host_t *)ctx)->cpu_ctx, e);
+}
+static void fake_destroy(void *ctx) {
+    fake_host_t *h = ctx;
+    vram_backend_cpu()->destroy(h->cpu_ctx);
+    free(h);
+}
+
+static const vram_backend_t fake_backend = {
+    .name = "fake-host",
+    .segment_alloc = fake_alloc,
+    .segment_free = fake_free,
+    .mem_info = fake_mem_info,
+    .synchronize = fake_sync,
+    .event_record = fake_event_record,
+    .event_query = fake_event_query,
+    .event_synchronize = fake_event_sync,
+    .event_destroy = fake_event_destroy,
+    .destroy = fake_destroy,
+    .release_pages = fake_release,
+    .host_memory = fake_host_memory,
+};
+
+/* A host pool on a fake machine of `total` bytes. The pool owns the fake; *host peeks at it. */
+static vram_pool_t *make_host_pool(uint64_t total, const char *conf, fake_host_t **host) {
+    fake_host_t *h = calloc(1, sizeof *h);
+    vram_pool_t *pool = NULL;
+    if (!h || vram_backend_cpu_ctx(&h->cpu_ctx) != VRAM_OK) return NULL;
+    h->total = total;
+    if (vram_pool_create(&fake_backend, h, (vram_device_t){VRAM_DEVICE_CPU, 0}, conf, &pool) != VRAM_OK) return NULL;
+    *host = h;
+    return pool;
+}
+
+static void fill(void *p, uint64_t size, int byte) { memset(p, byte, (size_t)size); }
+
+static int all_bytes(const void *p, uint64_t size, unsigned char byte) {
+    const unsigned char *c = p;
+    for (uint64_t i = 0; i < size; i++)
+        if (c[i] != byte) return 0;
+    return 1;
+}
+
+/* Only the check: no page release, no cache limit, no reserve. */
+#define CHECK_ONLY "host_reserve_mb:0,host_page_release_mb:None,host_cache_limit_fraction:None"
+
+static void test_check_refuses_then_ladder_frees_cache(void) {
+    fake_host_t *h;
+    vram_pool_t *pool = make_host_pool(256 * MiB, CHECK_ONLY, &h);
+    CHECK(pool != NULL);
+    void *a, *b;
+    CHECK_OK(vram_malloc(pool, 100 * MiB, 0, 0, &a));
+    fill(a, 100 * MiB, 1);
+    CHECK_OK(vram_free(pool, a, 0)); /* 100 MiB cached and resident: the host has 156 MiB left */
+    CHECK_OK(vram_malloc(pool, 200 * MiB, 0, 0, &b));
+    vram_stats_t s = get_stats(pool);
+    CHECK(s.num_host_memory_rejections == 1); /* 200 > 156: refused once... */
+    CHECK(s.num_alloc_retries == 1 && s.num_device_free == 1 && s.num_ooms == 0); /* ...cache freed, retried */
+    CHECK(s.reserved_bytes[VRAM_STAT_ALL].current == (int64_t)(200 * MiB) && h->mapped == 200 * MiB);
+    fill(b, 200 * MiB, 2);
+    CHECK(all_bytes(b, 200 * MiB, 2));
+    CHECK_OK(vram_free(pool, b, 0));
+    CHECK_POOL(pool);
+    vram_pool_destroy(pool);
+}
+
+static void test_check_raises_and_leaves_state(void) {
+    fake_host_t *h;
+    vram_pool_t *pool = make_host_pool(256 * MiB, "host_reserve_mb:16,host_page_release_mb:None", &h);
+    void *a, *b = (void *)1;
+    CHECK_OK(vram_malloc(pool, 50 * MiB, 0, 0, &a));
+    vram_stats_t before = get_stats(pool);
+    /* 206 MiB free, 16 kept back: 192 MiB is the most that can be mapped. */
+    CHECK_STATUS(vram_malloc(pool, 200 * MiB, 0, 0, &b), VRAM_ERR_OOM);
+    CHECK(b == NULL);
+    const char *msg = vram_last_error();
+    CHECK_CONTAINS(msg, "CPU out of memory. Tried to allocate 200.00 MiB. Device cpu has a total capacity of "
+                        "256.00 MiB of which 206.00 MiB is free.");
+    CHECK_CONTAINS(msg, "vramkit did not map 200.00 MiB because the host cannot give it: the kernel reports "
+                        "206.00 MiB available (MemAvailable) and 0 bytes of free swap; 16.00 MiB is kept for the "
+                        "rest of the process (host_reserve_mb).");
+    CHECK_CONTAINS(msg, "host_memory_check:False");
+    vram_oom_info_t info;
+    vram_last_oom(&info);
+    CHECK(info.device_free == 206 * MiB && info.device_total == 256 * MiB && info.segment_size == 200 * MiB);
+    vram_stats_t after = get_stats(pool);
+    CHECK(after.num_ooms == before.num_ooms + 1 && after.num_host_memory_rejections == 2);
+    CHECK(after.allocated_bytes[VRAM_STAT_ALL].current == before.allocated_bytes[VRAM_STAT_ALL].current);
+    CHECK(after.reserved_bytes[VRAM_STAT_ALL].current == before.reserved_bytes[VRAM_STAT_ALL].current);
+    CHECK_POOL(pool);
+    CHECK_OK(vram_malloc(pool, 190 * MiB, 0, 0, &b)); /* what fits still maps */
+    CHECK_OK(vram_free(pool, b, 0));
+    /* Off: the pool maps what the host cannot give, as before (and as cudaMalloc never would). */
+    CHECK_OK(vram_configure(pool, "host_memory_check:False"));
+    CHECK_OK(vram_malloc(pool, 300 * MiB, 0, 0, &b));
+    CHECK_OK(vram_free(pool, b, 0));
+    CHECK_OK(vram_free(pool, a, 0));
+    CHECK_POOL(pool);
+    vram_pool_destroy(pool);
+}
+
+static void test_page_release_and_reuse(void) {
+    fake_host_t *h;
+    vram_pool_t *pool = make_host_pool(GiB, "host_page_release_mb:6,host_cache_limit_fraction:None", &h);
+    void *a, *b, *c;
+    CHECK_OK(vram_malloc(pool, 8 * MiB, 0, 0, &a)); /* a 20 MiB segment: 10 units */
+    vram_stats_t s = get_stats(pool);
+    CHECK(s.host_reclaimable_bytes == (int64_t)(12 * MiB)); /* the untouched tail: units 4..9 */
+    fill(a, 8 * MiB, 0xAB);
+    CHECK_OK(vram_free(pool, a, 0)); /* 4 units hold memory, 8 MiB >= 6 MiB: given back in one call */
+    s = get_stats(pool);
+    CHECK(s.num_host_page_releases == 1 && h->release_calls == 1);
+    CHECK(s.host_reclaimable_bytes == (int64_t)(20 * MiB) && s.host_lazy_reused_bytes == 0);
+    CHECK(s.reserved_bytes[VRAM_STAT_ALL].current == (int64_t)(20 * MiB)); /* still mapped and cached */
+    /* Reuse: 3 MiB overlaps units 0 and 1, which the fake kernel still counts as free. */
+    CHECK_OK(vram_malloc(pool, 3 * MiB, 0, 0, &b));
+    CHECK(b == a);
+    s = get_stats(pool);
+    CHECK(s.host_lazy_reused_bytes == (int64_t)(4 * MiB) && s.host_reclaimable_bytes == (int64_t)(16 * MiB));
+    uint64_t free_bytes, total;
+    CHECK_OK(vram_mem_get_info(pool, &free_bytes, &total));
+    /* The fake kernel: 20 MiB mapped, of which the 8 MiB given back count as free; less the
+     * 4 MiB vramkit reused from them. */
+    CHECK(total == GiB && free_bytes == GiB - 12 * MiB - 4 * MiB);
+    /* Freeing it leaves 2 units (4 MiB) holding memory, under 6 MiB: nothing given back... */
+    CHECK_OK(vram_free(pool, b, 0));
+    s = get_stats(pool);
+    CHECK(s.num_host_page_releases == 1 && s.host_lazy_reused_bytes == (int64_t)(4 * MiB));
+    /* ...but a calloc over those units still reads zero, and so does a fresh segment. */
+    CHECK_OK(vram_calloc(pool, 20 * MiB, 0, 0, &c));
+    CHECK(c == a && all_bytes(c, 20 * MiB, 0));
+    fill(c, 20 * MiB, 0xCD);
+    CHECK_OK(vram_free(pool, c, 0)); /* 10 units hold memory: released, reused units cleaned */
+    s = get_stats(pool);
+    CHECK(s.num_host_page_releases == 2 && s.host_lazy_reused_bytes == 0);
+    CHECK(s.host_reclaimable_bytes == (int64_t)(20 * MiB));
+    CHECK_OK(vram_calloc(pool, 64 * MiB, 0, 0, &c));
+    CHECK(all_bytes(c, 64 * MiB, 0));
+    CHECK_OK(vram_free(pool, c, 0));
+    CHECK_POOL(pool);
+    vram_pool_destroy(pool);
+}
+
+static void test_lazy_reuse_is_subtracted(void) {
+    fake_host_t *h;
+    vram_pool_t *pool = make_host_pool(256 * MiB, "host_reserve_mb:0,host_page_release_mb:0,"
+                                                  "host_cache_limit_fraction:None", &h);
+    void *a, *b, *c;
+    CHECK_OK(vram_malloc(pool, 100 * MiB, 0, 0, &a));
+    fill(a, 100 * MiB, 1);
+    CHECK_OK(vram_free(pool, a, 0)); /* given back lazily: the fake kernel counts 100 MiB as free */
+    CHECK_OK(vram_malloc(pool, 100 * MiB, 0, 0, &b));
+    fill(b, 100 * MiB, 2); /* written again; the kernel still counts it as free */
+    vram_host_memory_t kernel;
+    CHECK_OK(fake_host_memory(h, &kernel));
+    CHECK(kernel.available == 256 * MiB); /* the kernel's view: 200 MiB would fit */
+    CHECK_STATUS(vram_malloc(pool, 200 * MiB, 0, 0, &c), VRAM_ERR_OOM); /* 256 - 100 reused: it does not */
+    CHECK_CONTAINS(vram_last_error(), "less 100.00 MiB that vramkit reuses after giving it back with MADV_FREE");
+    CHECK_OK(vram_malloc(pool, 150 * MiB, 0, 0, &c));
+    CHECK_OK(vram_free(pool, c, 0));
+    CHECK_OK(vram_free(pool, b, 0)); /* given back again: nothing is overstated any more */
+    CHECK(get_stats(pool).host_lazy_reused_bytes == 0);
+    CHECK_POOL(pool);
+    vram_pool_destroy(pool);
+}
+
+static void test_cache_limit_releases_least_recently_freed(void) {
+    fake_host_t *h;
+    vram_pool_t *pool = make_host_pool(GiB, "host_memory_check:False,host_page_release_mb:None,"
+                                            "host_cache_limit_mb:50,host_cache_limit_fraction:None", &h);
+    void *a, *b, *c;
+    CHECK(pool != NULL);
+    CHECK_OK(vram_malloc(pool, 30 * MiB, 0, 0, &a));
+    CHECK_OK(vram_malloc(pool, 30 * MiB, 0, 0, &b));
+    CHECK_OK(vram_malloc(pool, 30 * MiB, 0, 0, &c));
+    CHECK(get_stats(pool).host_cache_limit == (int64_t)(50 * MiB));
+    CHECK_OK(vram_free(pool, a, 0)); /* 30 MiB cached: within the limit */
+    CHECK(get_stats(pool).reserved_bytes[VRAM_STAT_ALL].current == (int64_t)(90 * MiB));
+    CHECK_OK(vram_free(pool, b, 0)); /* 60 MiB cached: a's segment, freed first, goes */
+    vram_stats_t s = get_stats(pool);
+    CHECK(s.reserved_bytes[VRAM_STAT_ALL].current == (int64_t)(60 * MiB) && s.num_host_cache_limit_releases == 1);
+    void *again;
+    CHECK_OK(vram_malloc(pool, 30 * MiB, 0, 0, &again));
+    CHECK(again == b); /* b's segment stayed */
+    CHECK_OK(vram_free(pool, again, 0));
+    CHECK_OK(vram_free(pool, c, 0)); /* 60 MiB cached again: b's segment, now the older, goes */
+    s = get_stats(pool);
+    CHECK(s.reserved_bytes[VRAM_STAT_ALL].current == (int64_t)(30 * MiB) && s.num_host_cache_limit_releases == 2);
+    /* A lower limit applies at once, and 0 caches nothing. */
+    CHECK_OK(vram_configure(pool, "host_cache_limit_mb:0"));
+    CHECK(get_stats(pool).reserved_bytes[VRAM_STAT_ALL].current == 0);
+    CHECK_POOL(pool);
+    vram_pool_destroy(pool);
+}
+
+static void test_cache_limit_fraction_of_capacity(void) {
+    fake_host_t *h;
+    vram_pool_t *pool = make_host_pool(400 * MiB, "host_memory_check:False", &h);
+    vram_settings_t st;
+    CHECK_OK(vram_get_settings(pool, &st));
+    /* Host defaults: a quarter of the capacity cached, 1/64 of it kept back, release from 64 MiB. */
+    CHECK(st.host_cache_limit == 100 * MiB && st.host_cache_limit_fraction == 0.25);
+    CHECK(st.host_reserve == 6 * MiB && st.host_page_release == 64 * MiB && st.host_memory_check == 0); /* 400/64, whole MiB */
+    CHECK_OK(vram_configure(pool, "host_cache_limit_fraction:0.1,host_cache_limit_mb:30"));
+    CHECK_OK(vram_get_settings(pool, &st));
+    CHECK(st.host_cache_limit == 30 * MiB); /* the smaller of 40 MiB and 30 MiB */
+    CHECK_OK(vram_configure(pool, "host_cache_limit_fraction:None,host_cache_limit_mb:None"));
+    CHECK_OK(vram_get_settings(pool, &st));
+    CHECK(st.host_cache_limit == UINT64_MAX && get_stats(pool).host_cache_limit == -1);
+    vram_pool_destroy(pool);
+}
+
+static void test_host_options_are_checked(void) {
+    fake_host_t *h;
+    vram_pool_t *pool = make_host_pool(GiB, NULL, &h);
+    vram_settings_t before, after;
+    CHECK_OK(vram_get_settings(pool, &before));
+    CHECK_STATUS(vram_configure(pool, "host_memory_check:maybe"), VRAM_ERR_INVALID_ARG);
+    CHECK_CONTAINS(vram_last_error(), "host_memory_check must be True or False; got 'maybe'");
+    CHECK_STATUS(vram_configure(pool, "host_cache_limit_fraction:1.5"), VRAM_ERR_INVALID_ARG);
+    CHECK_CONTAINS(vram_last_error(), "host_cache_limit_fraction must be a number in [0, 1] or None; got '1.5'");
+    CHECK_STATUS(vram_configure(pool, "host_page_release_mb:-1"), VRAM_ERR_INVALID_ARG);
+    CHECK_CONTAINS(vram_last_error(), "host_page_release_mb must be a non-negative integer (MiB) or None");
+    CHECK_STATUS(vram_configure(pool, "host_reserve_mb:None"), VRAM_ERR_INVALID_ARG);
+    /* All or nothing: a good option before a bad one is not applied. */
+    CHECK_STATUS(vram_configure(pool, "host_cache_limit_mb:5,host_lazy_free:x"), VRAM_ERR_INVALID_ARG);
+    CHECK_OK(vram_get_settings(pool, &after));
+    CHECK(memcmp(&before, &after, sizeof before) == 0);
+    vram_pool_destroy(pool);
+
+    /* A device pool refuses host options from vram_configure but ignores them in its
+     * configuration string (VRAMKIT_ALLOC_CONF is read by every pool). */
+    vram_pool_t *sim = make_sim_pool(GiB, "host_cache_limit_mb:1,host_memory_check:True");
+    CHECK(sim != NULL);
+    CHECK(!vram_pool_is_host(sim));
+    CHECK_OK(vram_get_settings(sim, &after));
+    CHECK(after.host_cache_limit == UINT64_MAX && after.host_memory_check == 0);
+    CHECK_STATUS(vram_configure(sim, "host_cache_limit_mb:1"), VRAM_ERR_INVALID_ARG);
+    CHECK_CONTAINS(vram_last_error(), "host_cache_limit_mb applies to the cpu pool (host memory) only");
+    void *p;
+    CHECK_STATUS(vram_calloc(sim, 100, 0, 0, &p), VRAM_ERR_INVALID_ARG);
+    CHECK_CONTAINS(vram_last_error(), "vram_calloc needs a host pool");
+    vram_pool_destroy(sim);
+}
+
+static void test_real_host_memory_is_sane(void) {
+    vram_host_memory_t m;
+    CHECK_OK(vram_host_memory(&m));
+    CHECK(m.ram_total > 0 && m.total > 0 && m.total <= m.ram_total);
+    CHECK(m.mem_available > 0 && m.mem_available <= m.ram_total);
+    CHECK(m.available <= m.mem_available + m.swap_free);
+    if (m.cgroup_limit != UINT64_MAX) CHECK(m.cgroup_path[0] == '/' && m.cgroup_version >= 1);
+    vram_pool_t *cpu;
+    CHECK_OK(vram_device_pool((vram_device_t){VRAM_DEVICE_CPU, 0}, &cpu));
+    CHECK(vram_pool_is_host(cpu));
+}
+
+int main(void) {
+    RUN(test_check_refuses_then_ladder_frees_cache);
+    RUN(test_check_raises_and_leaves_state);
+    RUN(test_page_release_and_reuse);
+    RUN(test_lazy_reuse_is_subtracted);
+    RUN(test_cache_limit_releases_least_recently_freed);
+    RUN(test_cache_limit_fraction_of_capacity);
+    RUN(test_host_options_are_checked);
+    RUN(test_real_host_memory_is_sane);
+    return harness_finish();
+}
