@@ -13,7 +13,7 @@
 typedef struct recount {
     int64_t allocation, allocated_bytes, active, active_bytes, requested_bytes;
     int64_t segment, reserved_bytes, inactive_split, inactive_split_bytes;
-    int64_t free_blocks, whole_free_segments;
+    int64_t free_blocks, whole_free_segments, whole_free_bytes;
 } recount_t;
 
 static uint64_t pending_for(const vram_pool_t *pool, const vram__block_t *block) {
@@ -118,12 +118,17 @@ static vram_status_t check_locked(vram_pool_t *pool) {
         if (expect != seg->addr + seg->size)
             return CORRUPT("segment 0x%llx: blocks cover %llu bytes of %llu", sa,
                            (unsigned long long)(expect - seg->addr), (unsigned long long)seg->size);
-        if (vram__is_whole_free(seg->head)) r->whole_free_segments++;
+        if (vram__is_whole_free(seg->head)) {
+            r->whole_free_segments++;
+            r->whole_free_bytes += (int64_t)seg->size;
+        }
     }
-    if ((uint64_t)(rc[0].whole_free_segments + rc[1].whole_free_segments) != pool->whole_free_segments)
-        return CORRUPT("%llu segments are counted wholly free but %lld are",
-                       (unsigned long long)pool->whole_free_segments,
-                       (long long)(rc[0].whole_free_segments + rc[1].whole_free_segments));
+    if ((uint64_t)(rc[0].whole_free_segments + rc[1].whole_free_segments) != pool->whole_free_segments ||
+        (uint64_t)(rc[0].whole_free_bytes + rc[1].whole_free_bytes) != pool->whole_free_bytes)
+        return CORRUPT("%llu segments (%llu bytes) are counted wholly free but %lld (%lld bytes) are",
+                       (unsigned long long)pool->whole_free_segments, (unsigned long long)pool->whole_free_bytes,
+                       (long long)(rc[0].whole_free_segments + rc[1].whole_free_segments),
+                       (long long)(rc[0].whole_free_bytes + rc[1].whole_free_bytes));
     if ((status = vram__pages_check(pool)) != VRAM_OK) return status;
     uint64_t indexed;
     for (int small = 0; small <= 1; small++) {

@@ -28,9 +28,13 @@ vram_status_t vram__host_check_room(vram_pool_t *pool, uint64_t size) {
     }
     vram_host_memory_t info;
     if (pool->backend->host_memory(pool->ctx, &info) != VRAM_OK) return VRAM_OK; /* cannot tell: do not refuse */
-    /* Pages we reused after MADV_FREE are still counted as available by the kernel. */
-    uint64_t overstated = vram__pages_lazy_reused_total();
+    /* What the kernel's figure leaves out: pages we reused after MADV_FREE are still counted as
+     * available, and pages handed out but not yet written are not counted as used (every byte
+     * handed out is taken to be written, as NumPy arrays nearly always are). */
     h->reading = info;
+    h->lazy_reused = vram__pages_lazy_reused_total();
+    h->unfaulted = vram__pages_unfaulted(pool);
+    uint64_t overstated = h->lazy_reused + h->unfaulted;
     h->room = info.available > overstated ? info.available - overstated : 0;
     h->read_ns = now;
     h->mapped_since = size;

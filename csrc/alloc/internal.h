@@ -52,7 +52,9 @@ struct vram__block {
  *                it as free until it rescans it, so the host check must subtract it
  *     0     0    resident: handed out, holds data
  * A unit is marked dirty when any block overlapping it is handed out, and cleaned only when
- * it lies wholly inside a free block whose pages are given back. */
+ * it lies wholly inside a free block whose pages are given back. A third bitmap, fresh,
+ * marks dirty units that were untouched when handed out and have not yet been seen resident:
+ * the kernel does not count their pages until they are written, so the host check does. */
 #define VRAM__PAGE_UNIT ((uint64_t)2 << 20)
 
 struct vram__segment {
@@ -64,7 +66,7 @@ struct vram__segment {
     vram__block_t *head;         /* the lowest-addressed block */
     vram__segment_t *prev, *next;
     uint64_t freed_at;           /* pool->free_clock when it last became wholly free (LRU for the cache limit) */
-    uint64_t *clean, *lazy;      /* host pools: the unit bitmaps (NULL elsewhere) */
+    uint64_t *clean, *lazy, *fresh; /* host pools: the unit bitmaps (NULL elsewhere) */
 };
 
 /* The free blocks of one pool kind, ordered by (stream, size, address) as PyTorch's
@@ -101,9 +103,11 @@ typedef struct vram__host_state {
     int tracked;                 /* the backend can release pages: segments carry unit bitmaps */
     uint64_t reclaimable_units;  /* units with clean = 1 */
     uint64_t lazy_reused_units;  /* units with clean = 0, lazy = 1 */
+    uint64_t fresh_units;        /* units with fresh = 1 */
     /* The last host reading (the check reuses it for small segments for up to 100 ms). */
     vram_host_memory_t reading;
-    uint64_t room;               /* reading.available minus every pool's lazily reused bytes */
+    uint64_t lazy_reused, unfaulted; /* subtracted from it: reused after MADV_FREE, handed out untouched */
+    uint64_t room;               /* reading.available minus those two */
     uint64_t read_ns, mapped_since;
     int reading_valid;
     int rejected;                /* the current slow path was refused by the host check */
@@ -129,6 +133,7 @@ struct vram_pool {
     int history_on;              /* read without the lock by vram_history_enabled */
 
     uint64_t whole_free_segments; /* segments that are one free block (releasable) */
+    uint64_t whole_free_bytes;   /* their bytes: what empty_cache would release */
     uint64_t free_clock;         /* ticks each time a segment becomes wholly free */
     vram__host_state_t host;     /* host pools only (backend->host_memory / release_pages) */
 
@@ -265,6 +270,9 @@ static inline void vram__pages_on_free(vram_pool_t *pool, vram__block_t *block) 
 void vram__pages_drop(vram_pool_t *pool, const vram__segment_t *seg);
 /* Every pool's lazily reused bytes (what MemAvailable overstates), process-wide. */
 uint64_t vram__pages_lazy_reused_total(void);
+/* Bytes this pool handed out from untouched pages that are still not resident (mincore over
+ * the fresh units; units found wholly resident stop being fresh). */
+uint64_t vram__pages_unfaulted(vram_pool_t *pool);
 /* Recount the units and verify that no block in use lies on a unit marked clean. */
 vram_status_t vram__pages_check(const vram_pool_t *pool);
 
@@ -273,11 +281,21 @@ vram_status_t vram__pages_check(const vram_pool_t *pool);
 vram_status_t vram__host_check_room(vram_pool_t *pool, uint64_t size);
 /* Release the least recently freed whole segments while the cache is over its limit. */
 void vram__host_enforce_cache_limit(vram_pool_t *pool, uint64_t context);
+/* The limit counts what it can act on: memory in wholly free segments. Free pieces of
+ * segments in use, and blocks waiting for other streams, cannot be unmapped; counting them
+ * would unmap every segment freed while they alone exceed the limit. */
 static inline int vram__over_cache_limit(const vram_pool_t *pool) {
-    uint64_t limit = pool->settings.host_cache_limit;
-    if (limit == UINT64_MAX || !pool->whole_free_segments) return 0;
-    const vram_stats_t *s = &pool->stats;
-    return (uint64_t)(s->reserved_bytes[VRAM_STAT_ALL].current - s->allocated_bytes[VRAM_STAT_ALL].current) > limit;
+    return pool->whole_free_bytes > pool->settings.host_cache_limit;
+}
+/* A segment became wholly free (added = 1), or stopped being so (added = 0). */
+static inline void vram__whole_free_count(vram_pool_t *pool, const vram__segment_t *seg, int added) {
+    if (added) {
+        pool->whole_free_segments++;
+        pool->whole_free_bytes += seg->size;
+    } else {
+        pool->whole_free_segments--;
+        pool->whole_free_bytes -= seg->size;
+    }
 }
 
 /* oom.c (pool lock held) */

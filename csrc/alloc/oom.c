@@ -31,12 +31,17 @@ static void describe_host_refusal(const vram_pool_t *pool, uint64_t segment_size
                      "vramkit did not map %s because the host cannot give it: the kernel reports %s available "
                      "(MemAvailable) and %s of free swap", seg, avail, swap);
     }
-    uint64_t overstated = r->available > pool->host.room ? r->available - pool->host.room : 0;
-    if (overstated && n > 0 && (size_t)n < len) {
-        vram_format_size(overstated, reused, sizeof reused);
+    if (pool->host.lazy_reused && n > 0 && (size_t)n < len) {
+        vram_format_size(pool->host.lazy_reused, reused, sizeof reused);
         n += snprintf(out + n, len - (size_t)n,
                       ", less %s that vramkit reuses after giving it back with MADV_FREE (the kernel still counts it "
                       "as free)", reused);
+    }
+    if (pool->host.unfaulted && n > 0 && (size_t)n < len) {
+        vram_format_size(pool->host.unfaulted, reused, sizeof reused);
+        n += snprintf(out + n, len - (size_t)n,
+                      ", less %s of arrays handed out but not yet written (the kernel counts them once they are)",
+                      reused);
     }
     if (n > 0 && (size_t)n < len)
         snprintf(out + n, len - (size_t)n,

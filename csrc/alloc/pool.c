@@ -178,7 +178,7 @@ static vram__block_t *take_block(vram_pool_t *pool, vram__block_t *block, uint64
     int is_small = block->segment->is_small;
     vram__free_index_t *index = vram__index_for(pool, is_small);
     int64_t split_count = 0, split_bytes = 0; /* net change of inactive_split */
-    if (block->in_index && !vram__is_split(block)) pool->whole_free_segments--;
+    if (block->in_index && !vram__is_split(block)) vram__whole_free_count(pool, block->segment, 0);
     if (vram__is_split(block)) {
         split_count--;
         split_bytes -= (int64_t)block->size;
@@ -240,6 +240,8 @@ static vram_status_t malloc_impl(vram_pool_t *pool, uint64_t size, vram_stream_t
     vram__block_t *block = get_free_block(pool, index, stream, rounded);
     if (!block) status = obtain_block(pool, index, stream, size, rounded, context, &block);
     if (status == VRAM_OK) *out = (void *)take_block(pool, block, rounded, size, context, known_zero)->addr;
+    /* Events processed above may have freed whole segments (only the taken block is in use). */
+    if (vram__over_cache_limit(pool)) vram__host_enforce_cache_limit(pool, context);
 done:
     vram__unlock(&pool->lock);
     return status;
@@ -303,7 +305,7 @@ void vram__free_block(vram_pool_t *pool, vram__block_t *block, uint64_t context)
         split_count++;
         split_bytes += (int64_t)block->size;
     } else {
-        pool->whole_free_segments++;
+        vram__whole_free_count(pool, block->segment, 1);
         block->segment->freed_at = ++pool->free_clock;
     }
     vram__stat_array_change(pool->stats.inactive_split, is_small, split_count);
@@ -313,9 +315,7 @@ void vram__free_block(vram_pool_t *pool, vram__block_t *block, uint64_t context)
     vram__stat_array_decrease(pool->stats.requested_bytes, is_small, (int64_t)block->requested);
     block->requested = 0;
     block->context = 0;
-    /* A whole segment the cache limit is about to unmap needs no madvise first. */
-    if (block->segment->clean && !(vram__over_cache_limit(pool) && !vram__is_split(block)))
-        vram__pages_on_free(pool, block);
+    if (block->segment->clean) vram__pages_on_free(pool, block);
 }
 
 static vram_status_t unknown_pointer(const vram_pool_t *pool, const void *ptr) {

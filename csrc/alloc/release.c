@@ -11,7 +11,7 @@ void vram__release_block(vram_pool_t *pool, vram__block_t *block, uint64_t conte
     vram__segment_t *seg = block->segment;
     int is_small = seg->is_small;
     vram__index_remove(vram__index_for(pool, is_small), block);
-    pool->whole_free_segments--;
+    vram__whole_free_count(pool, seg, 0);
     vram__pages_drop(pool, seg);
     pool->backend->segment_free(pool->ctx, seg->addr, seg->size);
     vram__stat_array_decrease(pool->stats.segment, is_small, 1);

@@ -6,12 +6,13 @@
 vram_status_t vram_mem_get_info(vram_pool_t *pool, uint64_t *free_bytes, uint64_t *total_bytes) {
     vram__lock(&pool->lock);
     vram_status_t status = pool->backend->mem_info(pool->ctx, free_bytes, total_bytes);
-    vram__unlock(&pool->lock);
-    /* The kernel counts pages reused after MADV_FREE as free until it rescans them. */
+    /* As the host check sees it: the kernel counts pages reused after MADV_FREE as free until
+     * it rescans them, and pages handed out but not yet written not at all. */
     if (status == VRAM_OK && vram_pool_is_host(pool)) {
-        uint64_t overstated = vram__pages_lazy_reused_total();
+        uint64_t overstated = vram__pages_lazy_reused_total() + vram__pages_unfaulted(pool);
         *free_bytes = *free_bytes > overstated ? *free_bytes - overstated : 0;
     }
+    vram__unlock(&pool->lock);
     return status;
 }
 

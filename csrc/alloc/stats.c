@@ -16,6 +16,7 @@ vram_status_t vram_get_stats(vram_pool_t *pool, vram_stats_t *out) {
     out->host_cache_limit = cache_limit == UINT64_MAX ? -1 : (int64_t)cache_limit;
     out->host_reclaimable_bytes = (int64_t)(pool->host.reclaimable_units * VRAM__PAGE_UNIT);
     out->host_lazy_reused_bytes = (int64_t)(pool->host.lazy_reused_units * VRAM__PAGE_UNIT);
+    out->host_untouched_bytes = (int64_t)(pool->host.fresh_units * VRAM__PAGE_UNIT);
     vram__unlock(&pool->lock);
     out->size = sizeof(vram_stats_t);
     out->version = VRAM_STATS_VERSION;

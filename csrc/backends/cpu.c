@@ -43,9 +43,12 @@ static vram_status_t cpu_segment_alloc(void *ctx, uint64_t size, vram_stream_t s
     return VRAM_OK;
 }
 
-/* Set once MADV_FREE has been refused (kernels before 4.5): MADV_DONTNEED from then on. */
+/* Set once MADV_FREE has been refused where MADV_DONTNEED works (kernels before 4.5):
+ * MADV_DONTNEED from then on. */
 static atomic_int lazy_free_unsupported;
 
+/* Failures write no message: the pool ignores them (the pages simply stay), and a free that
+ * succeeded must not leave an error text behind. */
 static vram_status_t cpu_release_pages(void *ctx, uintptr_t addr, uint64_t size, int allow_lazy, int *lazy) {
     (void)ctx;
 #ifdef MADV_FREE
@@ -54,18 +57,36 @@ static vram_status_t cpu_release_pages(void *ctx, uintptr_t addr, uint64_t size,
             *lazy = 1;
             return VRAM_OK;
         }
-        if (errno != EINVAL)
-            return vram__fail(VRAM_ERR_BACKEND, "madvise(MADV_FREE) of %llu bytes at %p failed: %s",
-                              (unsigned long long)size, (void *)addr, strerror(errno));
+        if (errno != EINVAL) return VRAM_ERR_BACKEND;
+        /* EINVAL: an old kernel, or memory the caller mlock()ed (which refuses both). */
+        if (madvise((void *)addr, (size_t)size, MADV_DONTNEED) != 0) return VRAM_ERR_BACKEND;
         atomic_store_explicit(&lazy_free_unsupported, 1, memory_order_relaxed);
+        *lazy = 0;
+        return VRAM_OK;
     }
 #else
     (void)allow_lazy;
 #endif
-    if (madvise((void *)addr, (size_t)size, MADV_DONTNEED) != 0)
-        return vram__fail(VRAM_ERR_BACKEND, "madvise(MADV_DONTNEED) of %llu bytes at %p failed: %s",
-                          (unsigned long long)size, (void *)addr, strerror(errno));
+    if (madvise((void *)addr, (size_t)size, MADV_DONTNEED) != 0) return VRAM_ERR_BACKEND;
     *lazy = 0;
+    return VRAM_OK;
+}
+
+/* mincore over the range, a 16 KiB vector (64 MiB of 4 KiB pages) at a time. */
+static vram_status_t cpu_resident_bytes(void *ctx, uintptr_t addr, uint64_t size, uint64_t *bytes) {
+    (void)ctx;
+    long page_size = sysconf(_SC_PAGESIZE);
+    if (page_size <= 0) return VRAM_ERR_BACKEND;
+    uint64_t page = (uint64_t)page_size, resident = 0;
+    unsigned char vec[16384];
+    for (uint64_t done = 0; done < size;) {
+        uint64_t len = size - done, max = (uint64_t)sizeof vec * page;
+        if (len > max) len = max;
+        if (mincore((void *)(addr + done), (size_t)len, vec) != 0) return VRAM_ERR_BACKEND;
+        for (uint64_t i = 0; i < (len + page - 1) / page; i++) resident += (vec[i] & 1) ? page : 0;
+        done += len;
+    }
+    *bytes = resident;
     return VRAM_OK;
 }
 
@@ -124,6 +145,7 @@ static const vram_backend_t cpu_backend = {
     .destroy = cpu_destroy,
     .release_pages = cpu_release_pages,
     .host_memory = cpu_host_memory,
+    .resident_bytes = cpu_resident_bytes,
 };
 
 const vram_backend_t *vram_backend_cpu(void) { return &cpu_backend; }

@@ -88,6 +88,21 @@ static int lists_memory(const char *list) {
     return 0;
 }
 
+/* mountinfo writes space, tab, newline and backslash in paths as \040-style octal escapes. */
+static void unescape_octal(char *s) {
+    char *out = s;
+    for (char *in = s; *in;) {
+        if (in[0] == '\\' && in[1] >= '0' && in[1] <= '3' && in[2] >= '0' && in[2] <= '7' && in[3] >= '0' &&
+            in[3] <= '7') {
+            *out++ = (char)((in[1] - '0') * 64 + (in[2] - '0') * 8 + (in[3] - '0'));
+            in += 4;
+        } else {
+            *out++ = *in++;
+        }
+    }
+    *out = '\0';
+}
+
 /* In mountinfo, find the mount of the v1 memory hierarchy or of cgroup2; copy its root (the
  * path inside the hierarchy that is mounted) and its mount point. */
 static int find_mount(int version, char *root, size_t root_len, char *point, size_t point_len) {
@@ -105,6 +120,8 @@ static int find_mount(int version, char *root, size_t root_len, char *point, siz
         if (sscanf(dash + 3, "%63s %255s %1023s", fstype, source, super) < 2) continue;
         if (version == 2 && strcmp(fstype, "cgroup2") != 0) continue;
         if (version == 1 && (strcmp(fstype, "cgroup") != 0 || !lists_memory(super))) continue;
+        unescape_octal(r);
+        unescape_octal(m);
         snprintf(root, root_len, "%s", r);
         snprintf(point, point_len, "%s", m);
         found = 0;

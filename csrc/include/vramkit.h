@@ -146,11 +146,16 @@ typedef struct vram_backend {
     /* Host backends only (NULL elsewhere). Give the pages of [addr, addr + size) back to the
      * kernel but keep the range mapped: lazily when allow_lazy (MADV_FREE: the kernel takes
      * them only under pressure, and reuse before that costs nothing), else at once
-     * (MADV_DONTNEED). *lazy tells which was done. */
+     * (MADV_DONTNEED). *lazy tells which was done. The pool ignores a failure (the pages
+     * then simply stay), so this need not write an error message. */
     vram_status_t (*release_pages)(void *ctx, uintptr_t addr, uint64_t size, int allow_lazy, int *lazy);
     /* Host backends only (NULL elsewhere): the host's memory now. A pool whose backend has it
      * checks each new segment against it (host_memory_check). */
     vram_status_t (*host_memory)(void *ctx, vram_host_memory_t *out);
+    /* Host backends only (NULL elsewhere): how many bytes of [addr, addr + size) are resident
+     * (mincore). Memory handed out but not yet touched is not in the kernel's figures; the
+     * host check counts it as if it will be. A failure here is ignored by the pool. */
+    vram_status_t (*resident_bytes)(void *ctx, uintptr_t addr, uint64_t size, uint64_t *bytes);
 } vram_backend_t;
 
 /* The pool for a device, created on first use and kept for the life of the process (arrays
@@ -239,7 +244,8 @@ typedef struct vram_settings {
                                        * memory; VRAM_NO_LIMIT: never */
     uint64_t host_cache_limit_bytes;  /* configured cap on cached bytes; VRAM_NO_LIMIT: none */
     double host_cache_limit_fraction; /* configured cap as a fraction of total capacity; < 0: none */
-    uint64_t host_cache_limit;        /* the effective cap on reserved - allocated bytes; UINT64_MAX: none */
+    uint64_t host_cache_limit;        /* the effective cap on bytes in wholly free cached segments (what
+                                       * empty_cache would release); UINT64_MAX: none */
 } vram_settings_t;
 VRAM_API VRAM_NODISCARD vram_status_t vram_get_settings(vram_pool_t *pool, vram_settings_t *out);
 
@@ -308,15 +314,18 @@ typedef struct vram_stats {
 #undef VRAM__STAT_COUNTER_FIELD
     int64_t max_split_size; /* -1 when unlimited, as PyTorch reports it */
     /* Host pools (cpu) only, 0 elsewhere. */
-    int64_t host_cache_limit;       /* the cap on reserved - allocated bytes; -1 when none */
+    int64_t host_cache_limit;       /* the cap on bytes in wholly free cached segments; -1 when none */
     int64_t host_reclaimable_bytes; /* cached bytes whose pages hold nothing the kernel cannot take back
                                      * (given back with madvise, or never touched) */
     int64_t host_lazy_reused_bytes; /* bytes handed out again after MADV_FREE: the kernel still counts
                                      * them as free, so the host check subtracts them */
+    int64_t host_untouched_bytes;   /* bytes handed out from never-touched pages and not yet found
+                                     * resident (a bound: whole 2 MiB units); the check counts their
+                                     * unfaulted pages as used */
 #define VRAM__HOST_COUNTER_FIELD(key) int64_t key;
     VRAM_HOST_COUNTERS(VRAM__HOST_COUNTER_FIELD)
 #undef VRAM__HOST_COUNTER_FIELD
-    int64_t reserved_for_growth[2];
+    int64_t reserved_for_growth[1];
 } vram_stats_t;
 
 /* Copy the counters. Set out->size = sizeof(vram_stats_t) first. */

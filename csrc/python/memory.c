@@ -370,7 +370,8 @@ static PyObject *memory_stats(PyObject *self, PyObject *args, PyObject *kwargs) 
     if (put(d, "max_split_size", s.max_split_size)) goto fail;
     if (s.version >= 2 && vram_pool_is_host(pool)) { /* host pools add their own keys */
         if (put(d, "host_cache_limit", s.host_cache_limit) || put(d, "host_reclaimable_bytes", s.host_reclaimable_bytes) ||
-            put(d, "host_lazy_reused_bytes", s.host_lazy_reused_bytes))
+            put(d, "host_lazy_reused_bytes", s.host_lazy_reused_bytes) ||
+            put(d, "host_untouched_bytes", s.host_untouched_bytes))
             goto fail;
 #define ADD_HOST_COUNTER(key) \
     if (put(d, #key, s.key)) goto fail;

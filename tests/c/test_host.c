@@ -1,10 +1,11 @@
 /* test_host.c — the host pool's protection against the OOM killer, on a scripted host.
  *
  * The fake backend hands out real memory from the cpu backend (so blocks can be written and
- * read back) but answers host_memory from a model of a small machine: `total` bytes, of which
- * mapped segments use their size, except that pages given back with MADV_FREE count as
- * available, and keep counting so after they are written again, as Linux's MemAvailable does
- * until reclaim rescans them. Expected values follow from that model, not from vramkit. */
+ * read back) but answers host_memory from a model of a small machine, as Linux counts: of
+ * `total` bytes, mapped segments use only their resident pages (mincore: untouched pages
+ * cost nothing yet), except that pages given back with MADV_FREE count as available, and
+ * keep counting so after they are written again, until reclaim rescans them. Expected values
+ * follow from that model, not from vramkit. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,10 +14,14 @@
 
 #define UNIT (2 * MiB)
 #define MAX_ADVISED 4096
+#define MAX_SEGMENTS 64
 
 typedef struct fake_host {
     void *cpu_ctx;
     uint64_t total, mapped;
+    uintptr_t seg_addr[MAX_SEGMENTS];
+    uint64_t seg_size[MAX_SEGMENTS];
+    int num_segments;
     uintptr_t advised[MAX_ADVISED]; /* 2 MiB units the fake kernel counts as lazily free */
     int num_advised;
     int release_calls;
@@ -31,7 +36,11 @@ static int advised_index(const fake_host_t *h, uintptr_t unit) {
 static vram_status_t fake_alloc(void *ctx, uint64_t size, vram_stream_t stream, uintptr_t *out) {
     fake_host_t *h = ctx;
     vram_status_t status = vram_backend_cpu()->segment_alloc(h->cpu_ctx, size, stream, out);
-    if (status == VRAM_OK) h->mapped += size;
+    if (status == VRAM_OK) {
+        h->mapped += size;
+        h->seg_addr[h->num_segments] = *out;
+        h->seg_size[h->num_segments++] = size;
+    }
     return status;
 }
 
@@ -42,7 +51,17 @@ static void fake_free(void *ctx, uintptr_t addr, uint64_t size) {
         if (i >= 0) h->advised[i] = h->advised[--h->num_advised];
     }
     h->mapped -= size;
+    for (int i = 0; i < h->num_segments; i++)
+        if (h->seg_addr[i] == addr) {
+            h->seg_addr[i] = h->seg_addr[--h->num_segments];
+            h->seg_size[i] = h->seg_size[h->num_segments];
+            break;
+        }
     vram_backend_cpu()->segment_free(h->cpu_ctx, addr, size);
+}
+
+static vram_status_t fake_resident(void *ctx, uintptr_t addr, uint64_t size, uint64_t *bytes) {
+    return vram_backend_cpu()->resident_bytes(((fake_host_t *)ctx)->cpu_ctx, addr, size, bytes);
 }
 
 static vram_status_t fake_release(void *ctx, uintptr_t addr, uint64_t size, int allow_lazy, int *lazy) {
@@ -60,8 +79,12 @@ static vram_status_t fake_release(void *ctx, uintptr_t addr, uint64_t size, int 
 static vram_status_t fake_host_memory(void *ctx, vram_host_memory_t *out) {
     fake_host_t *h = ctx;
     memset(out, 0, sizeof *out);
-    uint64_t lazily_free = (uint64_t)h->num_advised * UNIT;
-    uint64_t used = h->mapped > lazily_free ? h->mapped - lazily_free : 0;
+    uint64_t lazily_free = (uint64_t)h->num_advised * UNIT, resident = 0;
+    for (int i = 0; i < h->num_segments; i++) {
+        uint64_t r = 0;
+        if (fake_resident(h, h->seg_addr[i], h->seg_size[i], &r) == VRAM_OK) resident += r;
+    }
+    uint64_t used = resident > lazily_free ? resident - lazily_free : 0;
     out->total = out->ram_total = h->total;
     out->available = out->mem_available = h->total > used ? h->total - used : 0;
     out->cgroup_limit = UINT64_MAX;
@@ -110,6 +133,7 @@ static const vram_backend_t fake_backend = {
     .destroy = fake_destroy,
     .release_pages = fake_release,
     .host_memory = fake_host_memory,
+    .resident_bytes = fake_resident,
 };
 
 /* A host pool on a fake machine of `total` bytes. The pool owns the fake; *host peeks at it. */
@@ -160,6 +184,7 @@ static void test_check_raises_and_leaves_state(void) {
     vram_pool_t *pool = make_host_pool(256 * MiB, "host_reserve_mb:16,host_page_release_mb:None", &h);
     void *a, *b = (void *)1;
     CHECK_OK(vram_malloc(pool, 50 * MiB, 0, 0, &a));
+    fill(a, 50 * MiB, 1);
     vram_stats_t before = get_stats(pool);
     /* 206 MiB free, 16 kept back: 192 MiB is the most that can be mapped. */
     CHECK_STATUS(vram_malloc(pool, 200 * MiB, 0, 0, &b), VRAM_ERR_OOM);
@@ -210,9 +235,9 @@ static void test_page_release_and_reuse(void) {
     CHECK(s.host_lazy_reused_bytes == (int64_t)(4 * MiB) && s.host_reclaimable_bytes == (int64_t)(16 * MiB));
     uint64_t free_bytes, total;
     CHECK_OK(vram_mem_get_info(pool, &free_bytes, &total));
-    /* The fake kernel: 20 MiB mapped, of which the 8 MiB given back count as free; less the
+    /* The fake kernel: 8 MiB resident, all of it given back, so counted as free; less the
      * 4 MiB vramkit reused from them. */
-    CHECK(total == GiB && free_bytes == GiB - 12 * MiB - 4 * MiB);
+    CHECK(total == GiB && free_bytes == GiB - 4 * MiB);
     /* Freeing it leaves 2 units (4 MiB) holding memory, under 6 MiB: nothing given back... */
     CHECK_OK(vram_free(pool, b, 0));
     s = get_stats(pool);
@@ -255,6 +280,35 @@ static void test_lazy_reuse_is_subtracted(void) {
     vram_pool_destroy(pool);
 }
 
+static void test_untouched_memory_is_counted(void) {
+    fake_host_t *h;
+    vram_pool_t *pool = make_host_pool(256 * MiB, CHECK_ONLY, &h);
+    void *a, *b, *c;
+    CHECK_OK(vram_calloc(pool, 150 * MiB, 0, 0, &a)); /* a fresh segment: zero, and nothing written */
+    vram_host_memory_t kernel;
+    CHECK_OK(fake_host_memory(h, &kernel));
+    CHECK(kernel.available >= 250 * MiB); /* the kernel sees none of it yet */
+    CHECK(get_stats(pool).host_untouched_bytes == (int64_t)(150 * MiB));
+    uint64_t free_bytes, total;
+    CHECK_OK(vram_mem_get_info(pool, &free_bytes, &total));
+    CHECK(free_bytes <= kernel.available - 149 * MiB);
+    /* A second one would be approved by the kernel's figure, and writing both would not fit. */
+    CHECK_STATUS(vram_calloc(pool, 150 * MiB, 0, 0, &b), VRAM_ERR_OOM);
+    CHECK_CONTAINS(vram_last_error(), "of arrays handed out but not yet written");
+    /* It reads zero. (Read before the check, it would map the kernel's shared zero page, which
+     * mincore reports as resident: memory only read since it was handed out counts as written.) */
+    CHECK(all_bytes(a, 150 * MiB, 0));
+    fill(a, 150 * MiB, 5); /* now the kernel counts it, and vramkit stops counting it twice */
+    CHECK_OK(vram_malloc(pool, 100 * MiB, 0, 0, &c));
+    vram_stats_t s = get_stats(pool);
+    CHECK(s.host_untouched_bytes == (int64_t)(100 * MiB)); /* a found resident; c is new */
+    fill(c, 100 * MiB, 6);
+    CHECK_OK(vram_free(pool, c, 0));
+    CHECK_OK(vram_free(pool, a, 0));
+    CHECK_POOL(pool);
+    vram_pool_destroy(pool);
+}
+
 static void test_cache_limit_releases_least_recently_freed(void) {
     fake_host_t *h;
     vram_pool_t *pool = make_host_pool(GiB, "host_memory_check:False,host_page_release_mb:None,"
@@ -280,6 +334,57 @@ static void test_cache_limit_releases_least_recently_freed(void) {
     /* A lower limit applies at once, and 0 caches nothing. */
     CHECK_OK(vram_configure(pool, "host_cache_limit_mb:0"));
     CHECK(get_stats(pool).reserved_bytes[VRAM_STAT_ALL].current == 0);
+    CHECK_POOL(pool);
+    vram_pool_destroy(pool);
+}
+
+/* Freeing B pushes the cache over its limit: A (freed first) is unmapped, and B, which stays
+ * cached, still gives its pages back. */
+static void test_cache_limit_and_page_release_together(void) {
+    fake_host_t *h;
+    vram_pool_t *pool = make_host_pool(GiB, "host_memory_check:False,host_page_release_mb:64,"
+                                            "host_cache_limit_mb:100,host_cache_limit_fraction:None", &h);
+    void *a, *b;
+    CHECK_OK(vram_malloc(pool, 80 * MiB, 0, 0, &a));
+    CHECK_OK(vram_malloc(pool, 80 * MiB, 0, 0, &b));
+    fill(a, 80 * MiB, 1);
+    fill(b, 80 * MiB, 2);
+    CHECK_OK(vram_free(pool, a, 0));
+    CHECK_OK(vram_free(pool, b, 0));
+    vram_stats_t s = get_stats(pool);
+    CHECK(s.num_host_cache_limit_releases == 1 && s.reserved_bytes[VRAM_STAT_ALL].current == (int64_t)(80 * MiB));
+    CHECK(s.num_host_page_releases == 2 && s.host_reclaimable_bytes == (int64_t)(80 * MiB));
+    void *again;
+    CHECK_OK(vram_malloc(pool, 80 * MiB, 0, 0, &again));
+    CHECK(again == b);
+    CHECK_OK(vram_free(pool, again, 0));
+    CHECK_POOL(pool);
+    vram_pool_destroy(pool);
+}
+
+/* Cached memory the limit cannot release (a block waiting for another stream, free pieces of
+ * segments in use) does not count against it, so a loop over one segment does not map and
+ * unmap it every time. */
+static void test_cache_limit_counts_only_releasable_memory(void) {
+    fake_host_t *h;
+    vram_pool_t *pool = make_host_pool(GiB, "host_memory_check:False,host_page_release_mb:None,"
+                                            "host_cache_limit_mb:100,host_cache_limit_fraction:None", &h);
+    void *pending, *keep, *p;
+    CHECK_OK(vram_malloc(pool, 200 * MiB, 0, 0, &pending));
+    CHECK_OK(vram_record_stream(pool, pending, 7));
+    CHECK_OK(vram_free(pool, pending, 0)); /* 200 MiB cached, waiting for stream 7 */
+    CHECK_OK(vram_malloc(pool, 3 * MiB, 0, 0, &keep)); /* a 20 MiB segment, 17 MiB of it free */
+    int64_t allocs = get_stats(pool).num_device_alloc;
+    for (int i = 0; i < 50; i++) {
+        CHECK_OK(vram_malloc(pool, 50 * MiB, 0, 0, &p));
+        CHECK_OK(vram_free(pool, p, 0));
+    }
+    vram_stats_t s = get_stats(pool);
+    CHECK(s.num_device_alloc == allocs + 1 && s.num_host_cache_limit_releases == 0);
+    CHECK_OK(vram_pool_synchronize(pool, VRAM_ALL_STREAMS)); /* now 250 MiB wholly free: over 100 */
+    s = get_stats(pool);
+    CHECK(s.num_host_cache_limit_releases >= 1 && s.reserved_bytes[VRAM_STAT_ALL].current <= (int64_t)(120 * MiB));
+    CHECK_OK(vram_free(pool, keep, 0));
     CHECK_POOL(pool);
     vram_pool_destroy(pool);
 }
@@ -351,7 +456,10 @@ int main(void) {
     RUN(test_check_raises_and_leaves_state);
     RUN(test_page_release_and_reuse);
     RUN(test_lazy_reuse_is_subtracted);
+    RUN(test_untouched_memory_is_counted);
     RUN(test_cache_limit_releases_least_recently_freed);
+    RUN(test_cache_limit_and_page_release_together);
+    RUN(test_cache_limit_counts_only_releasable_memory);
     RUN(test_cache_limit_fraction_of_capacity);
     RUN(test_host_options_are_checked);
     RUN(test_real_host_memory_is_sane);

@@ -150,6 +150,35 @@ def test_pages_reused_after_madv_free_are_not_taken_for_free():
     assert "less 600.00 MiB that vramkit reuses after giving it back with MADV_FREE" in r["stderr"]
 
 
+ZEROS = """
+import os
+z1 = np.zeros(600 * MiB // 8)          # nothing written yet: the kernel does not count it
+try:
+    z2 = np.zeros(600 * MiB // 8)
+    out["z2"] = "allocated"
+except MemoryError:
+    out["z2"] = "MemoryError"
+z1 += 1.0                              # the program goes on and uses what it got
+out["z1_sum"] = float(z1.sum())
+if out["z2"] == "allocated":
+    z2 += 1.0
+done()
+"""
+
+
+def test_arrays_not_yet_written_count_as_used():
+    """Two 600 MiB np.zeros under a 1 GiB limit: the kernel counts neither until it is written,
+    so a check that trusted it would approve both and the child would die writing them. NumPy's
+    own allocator dies that way; vramkit refuses the second and the child completes."""
+    limit = 1024 * MiB
+    r = run_in_cgroup(ZEROS, limit)
+    assert r["returncode"] == 0 and r["oom_kills"] == 0, r["stderr"]
+    assert r["z2"] == "MemoryError" and r["z1_sum"] == 600 * MiB // 8
+    assert "of arrays handed out but not yet written" in r["stderr"]
+    numpy_default = run_in_cgroup(ZEROS.replace("import os", "vnp.uninstall()"), limit)
+    assert numpy_default["returncode"] == -9, numpy_default
+
+
 def test_random_workload_fits_where_numpys_default_fits():
     """A long randomized workload of growing, shrinking and varying arrays: with the handler it
     completes under a limit of 1.25 x the peak resident set NumPy's allocator needs for it (so

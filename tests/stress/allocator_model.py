@@ -51,6 +51,11 @@ class AllocatorModel:
     ooms: int = 0
     violations: list[str] = field(default_factory=list)
     _tag: int = 1
+    ooms_before: int = -1  # the pool's num_ooms when the model started (shared pools carry earlier tests')
+
+    def __post_init__(self) -> None:
+        if self.ooms_before < 0:
+            self.ooms_before = _C.memory_stats(self.device)["num_ooms"]
 
     # ---- bookkeeping -------------------------------------------------------------------
     def _occupy(self, ptr: int, size: int) -> None:
@@ -162,8 +167,8 @@ class AllocatorModel:
                     sum(b.requested for b in held))
             if got != want:
                 self.violations.append(f"{where}: {pool} counters {got} != model {want}")
-        if s["num_ooms"] != self.ooms:
-            self.violations.append(f"{where}: num_ooms {s['num_ooms']} != model {self.ooms}")
+        if s["num_ooms"] - self.ooms_before != self.ooms:
+            self.violations.append(f"{where}: num_ooms {s['num_ooms'] - self.ooms_before} != model {self.ooms}")
         if s["reserved_bytes.all.current"] < s["active_bytes.all.current"]:
             self.violations.append(f"{where}: reserved below active")
 
