@@ -38,8 +38,8 @@ passes interleaved, and reports the ratio (its cost; 1.00x means none).
 
 Pressure (benchmarks/host_pressure.py, each run a fresh child Python): the issue's case,
 `grow` (an X array and its temporary freed, then a 2X array and its temporary; X = 256 MiB,
-NumPy's allocator needs 4X at the peak), and `random` (a seeded sequence of growing,
-shrinking and varying arrays up to X, at most 3X live). Rows: wall time with and without the
+NumPy's allocator needs 4X at the peak; 8 rounds), and `random` (a seeded sequence of 160
+growing, shrinking and varying arrays up to X, at most 3X live). Rows: wall time with and without the
 handler (children interleaved, median of 3; 1 with --quick); their peak resident set (VmHWM,
 what `top` shows, which counts MADV_FREE pages until the kernel takes them) and the peak of
 Rss - LazyFree between steps (what the process holds against the machine). Where a memory
@@ -184,7 +184,9 @@ def pressure_rows(quick: bool) -> list[Row]:
     scale = (64 if quick else 256) << 20
     passes = 1 if quick else 3
     rows = []
-    for workload, rounds in (("grow", 1 if quick else 3), ("random", 20 if quick else 80)):
+    # Enough rounds that the steady state, not the first touch of fresh memory (which a VM can
+    # make 10-40x dearer, and unevenly), decides the time.
+    for workload, rounds in (("grow", 1 if quick else 8), ("random", 20 if quick else 160)):
         runs: dict[str, list[dict]] = {"default": [], "vramkit": []}
         for i in range(passes):  # children interleaved, order flipped every round
             for side in (("default", "vramkit") if i % 2 == 0 else ("vramkit", "default")):

@@ -319,9 +319,10 @@ typedef struct vram_stats {
                                      * (given back with madvise, or never touched) */
     int64_t host_lazy_reused_bytes; /* bytes handed out again after MADV_FREE: the kernel still counts
                                      * them as free, so the host check subtracts them */
-    int64_t host_untouched_bytes;   /* bytes handed out from never-touched pages and not yet found
-                                     * resident (a bound: whole 2 MiB units); the check counts their
-                                     * unfaulted pages as used */
+    int64_t host_untouched_bytes;   /* bytes handed out from never-touched pages that the last host
+                                     * check (or vram_mem_get_info) had not yet seen resident, in
+                                     * whole 2 MiB units; the check counts their unfaulted pages as
+                                     * used. Between checks it only grows. */
 #define VRAM__HOST_COUNTER_FIELD(key) int64_t key;
     VRAM_HOST_COUNTERS(VRAM__HOST_COUNTER_FIELD)
 #undef VRAM__HOST_COUNTER_FIELD

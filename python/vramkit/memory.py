@@ -58,7 +58,9 @@ def memory_stats(device: DeviceLike = None) -> "collections.OrderedDict[str, int
     The cpu pool adds its host keys: host_cache_limit (the cap on reserved - allocated bytes,
     -1 for none), host_reclaimable_bytes (cached bytes whose pages hold nothing the kernel
     cannot take back: given back with madvise, or never touched), host_lazy_reused_bytes
-    (bytes handed out again after MADV_FREE, which the kernel still counts as free), and the
+    (bytes handed out again after MADV_FREE, which the kernel still counts as free),
+    host_untouched_bytes (bytes handed out from never-touched pages that the last host check,
+    or mem_get_info("cpu"), had not yet seen written: the check counts them as used), and the
     counters num_host_page_releases, num_host_cache_limit_releases and
     num_host_memory_rejections (new segments refused because the host could not give them).
     """
