@@ -9,7 +9,9 @@
 Benchmarks (each file's docstring says what it measures and against which peer):
   alloc.py              cached alloc+free pairs, in C against glibc malloc/free and from Python
                         against np.empty + del, on a documented realistic size mix
-  numpy_temporaries.py  NumPy expressions with 64 MiB temporaries, NumPy's allocator vs vramkit's
+  numpy_temporaries.py  NumPy expressions with 64 MiB temporaries, NumPy's allocator vs vramkit's;
+                        the cost of page release; and NumPy workloads near the host's memory limit
+                        (host_pressure.py: time, peak RSS, and a run in a memory cgroup)
   fragmentation.py      a synthetic training trace replayed on a sim device: peak reserved /
                         peak allocated, default settings and max_split_size_mb=128
   amp.py                fused loss-scaling kernels on CPU (unscale + inf/NaN check, + L2 norm) on
