@@ -17,7 +17,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "vramkit.h"
+#include "host_memory.h"
 #include "../util/error.h"
 
 #define NO_LIMIT UINT64_MAX
@@ -105,8 +105,9 @@ static void unescape_octal(char *s) {
 
 /* In mountinfo, find the mount of the v1 memory hierarchy or of cgroup2; copy its root (the
  * path inside the hierarchy that is mounted) and its mount point. */
-static int find_mount(int version, char *root, size_t root_len, char *point, size_t point_len) {
-    FILE *f = fopen("/proc/self/mountinfo", "r");
+static int find_mount(const char *mountinfo, int version, char *root, size_t root_len, char *point,
+                      size_t point_len) {
+    FILE *f = fopen(mountinfo, "r");
     if (!f) return -1;
     char line[4096];
     int found = -1;
@@ -131,8 +132,8 @@ static int find_mount(int version, char *root, size_t root_len, char *point, siz
 }
 
 /* This process's cgroup path in the v1 memory hierarchy or in the v2 one. */
-static int own_cgroup_path(int version, char *out, size_t len) {
-    FILE *f = fopen("/proc/self/cgroup", "r");
+static int own_cgroup_path(const char *cgroup_file, int version, char *out, size_t len) {
+    FILE *f = fopen(cgroup_file, "r");
     if (!f) return -1;
     char line[4096];
     int found = -1;
@@ -154,10 +155,10 @@ static int own_cgroup_path(int version, char *out, size_t len) {
 /* The directory of our cgroup: the mount point plus our path relative to the mounted root.
  * In a cgroup namespace, or when our path lies outside the mounted root, fall back to the
  * mount point itself (a container sees its own cgroup there). */
-static int locate(int version, cgroup_place_t *out) {
+static int locate(const char *mountinfo, const char *cgroup_file, int version, cgroup_place_t *out) {
     char root[PATH_MAX], point[PATH_MAX], path[PATH_MAX];
-    if (find_mount(version, root, sizeof root, point, sizeof point) != 0) return -1;
-    if (own_cgroup_path(version, path, sizeof path) != 0) return -1;
+    if (find_mount(mountinfo, version, root, sizeof root, point, sizeof point) != 0) return -1;
+    if (own_cgroup_path(cgroup_file, version, path, sizeof path) != 0) return -1;
     size_t rlen = strlen(root);
     const char *rel = path;
     if (strcmp(root, "/") != 0) rel = !strncmp(path, root, rlen) && (path[rlen] == '/' || !path[rlen]) ? path + rlen : "";
@@ -171,9 +172,12 @@ static int locate(int version, cgroup_place_t *out) {
     return 0;
 }
 
-static void find_place(void) {
-    if (locate(1, &place) != 0 && locate(2, &place) != 0) place.version = 0;
+/* The v1 memory controller if one is mounted (hybrid systems mount both), else v2. */
+static void locate_any(const char *mountinfo, const char *cgroup_file, cgroup_place_t *out) {
+    if (locate(mountinfo, cgroup_file, 1, out) != 0 && locate(mountinfo, cgroup_file, 2, out) != 0) out->version = 0;
 }
+
+static void find_place(void) { locate_any("/proc/self/mountinfo", "/proc/self/cgroup", &place); }
 
 /* One cgroup level: its limit and, when limited, what it cannot reclaim and its free swap. */
 typedef struct level {
@@ -234,22 +238,16 @@ static void read_meminfo(vram_host_memory_t *out) {
     }
 }
 
-vram_status_t vram_host_memory(vram_host_memory_t *out) {
-    memset(out, 0, sizeof *out);
-    read_meminfo(out);
-    out->total = out->ram_total;
-    out->available = out->mem_available + out->swap_free;
-    out->cgroup_limit = NO_LIMIT;
-    pthread_once(&place_once, find_place);
-    if (place.version == 0) return VRAM_OK;
-    out->cgroup_version = place.version;
-    /* Walk from our cgroup up to the mount point; the level with the least room binds. */
+/* Walk from the cgroup up to the mount point; the level with the least room binds. */
+static void apply_cgroup(const cgroup_place_t *where, vram_host_memory_t *out) {
+    if (where->version == 0) return;
+    out->cgroup_version = where->version;
     char dir[PATH_MAX];
-    snprintf(dir, sizeof dir, "%s", place.dir);
+    snprintf(dir, sizeof dir, "%s", where->dir);
     uint64_t best_room = NO_LIMIT;
     for (;;) {
         level_t lv;
-        if (read_level(dir, place.version, out->swap_free, &lv) == 0 && lv.room + lv.swap_room < best_room) {
+        if (read_level(dir, where->version, out->swap_free, &lv) == 0 && lv.room + lv.swap_room < best_room) {
             best_room = lv.room + lv.swap_room;
             out->cgroup_limit = lv.limit;
             out->cgroup_usage = lv.usage;
@@ -257,14 +255,36 @@ vram_status_t vram_host_memory(vram_host_memory_t *out) {
             copy_path(out->cgroup_path, sizeof out->cgroup_path, dir);
         }
         size_t len = strlen(dir);
-        if (len <= place.mount_len) break;
+        if (len <= where->mount_len) break;
         char *slash = strrchr(dir, '/');
-        if (!slash || (size_t)(slash - dir) < place.mount_len) break;
+        if (!slash || (size_t)(slash - dir) < where->mount_len) break;
         *slash = '\0';
     }
     if (out->cgroup_limit != NO_LIMIT) {
         if (out->cgroup_limit < out->total) out->total = out->cgroup_limit;
         if (best_room < out->available) out->available = best_room;
     }
+}
+
+static void start_reading(vram_host_memory_t *out) {
+    memset(out, 0, sizeof *out);
+    read_meminfo(out);
+    out->total = out->ram_total;
+    out->available = out->mem_available + out->swap_free;
+    out->cgroup_limit = NO_LIMIT;
+}
+
+vram_status_t vram_host_memory(vram_host_memory_t *out) {
+    start_reading(out);
+    pthread_once(&place_once, find_place);
+    apply_cgroup(&place, out);
+    return VRAM_OK;
+}
+
+vram_status_t vram__host_memory_from(const char *mountinfo, const char *cgroup_file, vram_host_memory_t *out) {
+    cgroup_place_t where;
+    start_reading(out);
+    locate_any(mountinfo, cgroup_file, &where);
+    apply_cgroup(&where, out);
     return VRAM_OK;
 }

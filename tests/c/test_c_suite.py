@@ -102,7 +102,7 @@ def test_threads_under_thread_sanitizer(tmp_path):
 
 
 AARCH64_CC = "aarch64-linux-gnu-gcc"
-AARCH64_TESTS = ("test_amp", "test_alloc")
+AARCH64_TESTS = ("test_amp", "test_alloc", "test_host")
 
 
 def test_aarch64_cross_build(tmp_path):

@@ -7,10 +7,14 @@
  * keep counting so after they are written again, until reclaim rescans them. Expected values
  * follow from that model, not from vramkit. */
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "harness.h"
+#include "../../csrc/backends/host_memory.h"
 
 #define UNIT (2 * MiB)
 #define MAX_ADVISED 4096
@@ -439,6 +443,122 @@ static void test_host_options_are_checked(void) {
     vram_pool_destroy(sim);
 }
 
+/* ---- cgroup discovery on fake trees: v1 and v2, whatever this machine runs ---------------- */
+
+static char fake_root[256];
+
+static void write_file(const char *dir, const char *name, const char *text) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        fprintf(stderr, "cannot write %s\n", path);
+        return;
+    }
+    fputs(text, f);
+    fclose(f);
+}
+
+/* mkdir -p of fake_root/rel; returns the path in a static buffer per call site's copy. */
+static void make_dir(const char *rel, char *out, size_t len) {
+    snprintf(out, len, "%s/%s", fake_root, rel);
+    for (char *p = out + strlen(fake_root) + 1; *p; p++)
+        if (*p == '/') {
+            *p = '\0';
+            mkdir(out, 0755);
+            *p = '/';
+        }
+    mkdir(out, 0755);
+}
+
+/* Read with mountinfo and cgroup files of the given text. */
+static vram_host_memory_t read_fake(const char *mountinfo, const char *cgroup) {
+    char mi[512], cg[512];
+    snprintf(mi, sizeof mi, "%s/mountinfo", fake_root);
+    snprintf(cg, sizeof cg, "%s/cgroup", fake_root);
+    write_file(fake_root, "mountinfo", mountinfo);
+    write_file(fake_root, "cgroup", cgroup);
+    vram_host_memory_t m;
+    CHECK_OK(vram__host_memory_from(mi, cg, &m));
+    return m;
+}
+
+static void test_cgroup_v2_limits(void) {
+    char job[512], slice[512], text[1024], ns[512];
+    make_dir("cg2/app.slice/job", job, sizeof job);
+    make_dir("cg2/app.slice", slice, sizeof slice);
+    write_file(job, "memory.max", "1073741824\n");                                   /* 1 GiB */
+    write_file(job, "memory.current", "629145600\n");                                /* 600 MiB */
+    write_file(job, "memory.stat", "anon 419430400\nfile 209715200\ninactive_file 209715200\nactive_file 0\n");
+    write_file(job, "memory.swap.max", "0\n");
+    write_file(job, "memory.swap.current", "0\n");
+    write_file(slice, "memory.max", "max\n");
+    snprintf(text, sizeof text, "21 1 0:19 / /proc rw - proc proc rw\n"
+                                "35 24 0:30 / %s/cg2 rw,nosuid,nodev,noexec,relatime shared:9 - cgroup2 cgroup2 "
+                                "rw,nsdelegate,memory_recursiveprot\n", fake_root);
+    vram_host_memory_t m = read_fake(text, "0::/app.slice/job\n");
+    CHECK(m.cgroup_version == 2 && m.cgroup_limit == GiB);
+    CHECK(m.cgroup_usage == 600 * MiB && m.cgroup_reclaimable == 200 * MiB);
+    CHECK(strcmp(m.cgroup_path, job) == 0);
+    CHECK(m.total == (m.ram_total < GiB ? m.ram_total : GiB));
+    CHECK(m.available == 624 * MiB || m.available == m.mem_available + m.swap_free); /* 1 GiB - (600 - 200) */
+
+    /* An ancestor with less room binds: 700 MiB limit, 650 MiB in use, nothing reclaimable. */
+    write_file(slice, "memory.max", "734003200\n");
+    write_file(slice, "memory.current", "681574400\n");
+    write_file(slice, "memory.stat", "anon 681574400\ninactive_file 0\n");
+    m = read_fake(text, "0::/app.slice/job\n");
+    CHECK(m.cgroup_limit == 700 * MiB && strcmp(m.cgroup_path, slice) == 0 && m.available == 50 * MiB);
+
+    /* A cgroup namespace: the mount shows /app.slice as its root, and /proc/self/cgroup says
+     * where we are below the hierarchy's root. */
+    make_dir("cg2ns/job", ns, sizeof ns);
+    write_file(ns, "memory.max", "536870912\n");
+    write_file(ns, "memory.current", "0\n");
+    snprintf(text, sizeof text, "35 24 0:30 /app.slice %s/cg2ns rw - cgroup2 cgroup2 rw\n", fake_root);
+    m = read_fake(text, "0::/app.slice/job\n");
+    CHECK(m.cgroup_limit == 512 * MiB && strcmp(m.cgroup_path, ns) == 0);
+    /* A container sees "0::/" and its own cgroup at the mount point. */
+    char point[512];
+    make_dir("cg2ct", point, sizeof point);
+    write_file(point, "memory.max", "268435456\n");
+    write_file(point, "memory.current", "0\n");
+    snprintf(text, sizeof text, "35 24 0:30 / %s/cg2ct rw - cgroup2 cgroup2 rw\n", fake_root);
+    m = read_fake(text, "0::/\n");
+    CHECK(m.cgroup_limit == 256 * MiB && strcmp(m.cgroup_path, point) == 0);
+}
+
+static void test_cgroup_v1_limits(void) {
+    char sub[512], grp[512], text[1024], spaced[512];
+    make_dir("mem/grp/sub", sub, sizeof sub);
+    make_dir("mem/grp", grp, sizeof grp);
+    write_file(sub, "memory.limit_in_bytes", "9223372036854771712\n"); /* v1's "no limit" */
+    write_file(sub, "memory.usage_in_bytes", "104857600\n");
+    write_file(grp, "memory.limit_in_bytes", "2147483648\n");             /* 2 GiB */
+    write_file(grp, "memory.usage_in_bytes", "1073741824\n");
+    /* Hierarchical total_inactive_file counts, not the cgroup's own inactive_file. */
+    write_file(grp, "memory.stat", "cache 1\ninactive_file 1\ntotal_inactive_file 268435456\n");
+    snprintf(text, sizeof text, "30 25 0:26 / %s/cpu rw - cgroup cgroup rw,cpu,cpuacct\n"
+                                "31 25 0:27 / %s/mem rw,nosuid - cgroup cgroup rw,memory\n"
+                                "32 25 0:28 / %s/unified rw - cgroup2 cgroup2 rw\n", fake_root, fake_root, fake_root);
+    vram_host_memory_t m = read_fake(text, "5:cpu,cpuacct:/x\n4:memory:/grp/sub\n0::/\n");
+    CHECK(m.cgroup_version == 1 && m.cgroup_limit == 2 * GiB && strcmp(m.cgroup_path, grp) == 0);
+    CHECK(m.cgroup_reclaimable == 256 * MiB && m.available <= GiB + 256 * MiB);
+    CHECK(m.available == GiB + 256 * MiB || m.available == m.mem_available + m.swap_free);
+    /* A mount point with a space, written \040 in mountinfo. */
+    char dir[512];
+    make_dir("mem v1/g", dir, sizeof dir);
+    write_file(dir, "memory.limit_in_bytes", "1048576000\n");
+    write_file(dir, "memory.usage_in_bytes", "0\n");
+    snprintf(spaced, sizeof spaced, "31 25 0:27 / %s/mem\\040v1 rw - cgroup cgroup rw,memory\n", fake_root);
+    m = read_fake(spaced, "4:memory:/g\n");
+    CHECK(m.cgroup_limit == 1000 * MiB && strcmp(m.cgroup_path, dir) == 0);
+    /* No memory controller at all: no cgroup figures. */
+    snprintf(text, sizeof text, "30 25 0:26 / %s/cpu rw - cgroup cgroup rw,cpu\n", fake_root);
+    m = read_fake(text, "5:cpu:/x\n");
+    CHECK(m.cgroup_version == 0 && m.cgroup_limit == UINT64_MAX && m.total == m.ram_total);
+}
+
 static void test_real_host_memory_is_sane(void) {
     vram_host_memory_t m;
     CHECK_OK(vram_host_memory(&m));
@@ -463,5 +583,15 @@ int main(void) {
     RUN(test_cache_limit_fraction_of_capacity);
     RUN(test_host_options_are_checked);
     RUN(test_real_host_memory_is_sane);
+    snprintf(fake_root, sizeof fake_root, "/tmp/vramkit-cgroup-test-XXXXXX");
+    if (!mkdtemp(fake_root)) {
+        fprintf(stderr, "mkdtemp failed\n");
+        return 1;
+    }
+    RUN(test_cgroup_v2_limits);
+    RUN(test_cgroup_v1_limits);
+    char cleanup[300];
+    snprintf(cleanup, sizeof cleanup, "rm -rf '%s'", fake_root);
+    if (system(cleanup) != 0) fprintf(stderr, "could not remove %s\n", fake_root);
     return harness_finish();
 }
