@@ -298,6 +298,13 @@ static inline void vram__whole_free_count(vram_pool_t *pool, const vram__segment
     }
 }
 
+/* backends/sim.c: a simulated backend ctx (for vram_backend_sim()) whose addresses come from a
+ * range of its own, starting at 2^48 like the shared one, instead of the process-wide range that
+ * every simulated device draws from. For stand-alone pools that nothing finds by address and
+ * that a process may create by the thousand (vram_trace_replay): the shared range (8 PiB,
+ * never reused) would run out. Its addresses may equal other simulated devices'. */
+vram_status_t vram__backend_sim_ctx_private(uint64_t total_bytes, void **ctx);
+
 /* oom.c (pool lock held) */
 vram_status_t vram__report_oom(vram_pool_t *pool, uint64_t requested, uint64_t segment_size,
                                vram_stream_t stream, uint64_t context);

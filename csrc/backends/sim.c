@@ -6,21 +6,33 @@
  * range stays unused, which keeps the backend O(1) and makes every segment unique in a
  * trace. The range starts at 2^48, above the 47-bit user address space where host and CUDA
  * pointers live, and ends at 2^53 so JavaScript viewers keep exact addresses; a process
- * would need petabytes of segment churn to exhaust it. */
+ * would need petabytes of segment churn to exhaust it.
+ *
+ * Throwaway pools that nothing looks up by address (trace replay makes one per call) take a
+ * private range instead (vram__backend_sim_ctx_private): a process that replays thousands of
+ * 80 GiB traces would otherwise draw its 8 PiB from the shared range and leave none for the
+ * simulated devices. */
 #include <stdlib.h>
 
 #include "host_streams.h"
+#include "../alloc/internal.h"
 #include "../util/error.h"
 
 #define SIM_BASE ((uint64_t)1 << 48)
 #define SIM_END ((uint64_t)1 << 53)
 #define SIM_ALIGN ((uint64_t)2 << 20)
+/* A private range need not stay exact in JavaScript; it ends where addr + size still fits in
+ * 64 bits for any request below 2^62. */
+#define SIM_PRIVATE_END ((uint64_t)1 << 63)
 
 static uint64_t next_address = SIM_BASE; /* shared by all simulated devices, updated atomically */
 
 typedef struct sim_ctx {
     vram__host_streams_t streams;
     uint64_t capacity, used;
+    uint64_t *next;     /* the bump pointer: &next_address, or &own_next for a private range */
+    uint64_t end;       /* where that range ends */
+    uint64_t own_next;
 } sim_ctx_t;
 
 static vram_status_t sim_segment_alloc(void *ctx, uint64_t size, vram_stream_t stream, uintptr_t *out) {
@@ -28,13 +40,13 @@ static vram_status_t sim_segment_alloc(void *ctx, uint64_t size, vram_stream_t s
     sim_ctx_t *s = ctx;
     if (size > s->capacity - s->used) return VRAM_ERR_OOM;
     uint64_t aligned = (size + SIM_ALIGN - 1) / SIM_ALIGN * SIM_ALIGN;
-    uint64_t addr = __atomic_load_n(&next_address, __ATOMIC_RELAXED);
+    uint64_t addr = __atomic_load_n(s->next, __ATOMIC_RELAXED);
     do { /* advance only when the range fits, so a refused request consumes nothing */
-        if (aligned > SIM_END - addr)
+        if (aligned > s->end - addr)
             return vram__fail(VRAM_ERR_BACKEND,
                               "simulated address range exhausted: %llu bytes of segments drawn, %llu requested",
                               (unsigned long long)(addr - SIM_BASE), (unsigned long long)size);
-    } while (!__atomic_compare_exchange_n(&next_address, &addr, addr + aligned, 0, __ATOMIC_RELAXED,
+    } while (!__atomic_compare_exchange_n(s->next, &addr, addr + aligned, 0, __ATOMIC_RELAXED,
                                           __ATOMIC_RELAXED));
     *out = (uintptr_t)addr;
     s->used += size;
@@ -89,7 +101,7 @@ static const vram_backend_t sim_backend = {
 
 const vram_backend_t *vram_backend_sim(void) { return &sim_backend; }
 
-vram_status_t vram_backend_sim_ctx(uint64_t total_bytes, void **ctx) {
+static vram_status_t make_ctx(uint64_t total_bytes, int private_range, void **ctx) {
     if (total_bytes == 0 || total_bytes >= VRAM_MAX_REQUEST)
         return vram__fail(VRAM_ERR_INVALID_ARG,
                           "a simulated device needs a capacity between 1 byte and 2**62 bytes; got %llu",
@@ -102,6 +114,13 @@ vram_status_t vram_backend_sim_ctx(uint64_t total_bytes, void **ctx) {
         return status;
     }
     s->capacity = total_bytes;
+    s->own_next = SIM_BASE;
+    s->next = private_range ? &s->own_next : &next_address;
+    s->end = private_range ? SIM_PRIVATE_END : SIM_END;
     *ctx = s;
     return VRAM_OK;
 }
+
+vram_status_t vram_backend_sim_ctx(uint64_t total_bytes, void **ctx) { return make_ctx(total_bytes, 0, ctx); }
+
+vram_status_t vram__backend_sim_ctx_private(uint64_t total_bytes, void **ctx) { return make_ctx(total_bytes, 1, ctx); }

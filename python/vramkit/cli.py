@@ -8,7 +8,10 @@ the peaks and the largest allocation sites, and writes a snapshot pickle (for
 pytorch.org/memory_viz) and a self-contained HTML timeline. Without SCRIPT it runs the bundled
 example, an image pipeline training a small MLP in NumPy.
 
-This is the only module of vramkit that prints.
+    vramkit fit SCRIPT --device-memory 24GiB [--batch-size N] ...   (see _cli_predict.py)
+    vramkit replay TRACE --device-memory 40GiB ...
+
+With _cli_predict.py, the only modules of vramkit that print.
 """
 
 from __future__ import annotations
@@ -67,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script", nargs="?", metavar="SCRIPT",
                      help=f"the Python script to run (default: the bundled example {EXAMPLE})")
     run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments passed to SCRIPT")
+    from ._cli_predict import add_commands
+
+    add_commands(commands)
     return parser
 
 
@@ -252,5 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _exit_status(exc.code)
     if ns.command == "run":
         return _cmd_run(ns)
+    if ns.command in ("fit", "replay"):
+        from ._cli_predict import cmd_fit, cmd_replay
+
+        return cmd_fit(ns) if ns.command == "fit" else cmd_replay(ns)
     parser.print_help(sys.stderr)
     return 2

@@ -1,0 +1,328 @@
+"""The allocation trace: columns in memory (``Trace``) and on disk (``.vktrace``).
+
+A trace is the ordered list of a program's storage allocations and frees, with markers for
+phases (forward, backward, optimizer) and steps. Events are parallel NumPy columns; what
+belongs to an allocation (its dtype, category, module path, op) is a per-allocation table
+indexed by the allocation's id, so each event costs 17 bytes.
+
+File format, version 1 (little-endian)::
+
+    offset 0   8 bytes   magic b"VKTRACE\\0"
+    offset 8   uint32    format version (1)
+    offset 12  uint32    H: length of the JSON header
+    offset 16  H bytes   JSON header (UTF-8): {"meta", "strings", "columns", "payload_bytes",
+                         "payload_crc32"}; each column is {"name", "dtype" (NumPy str),
+                         "length", "offset"} with offsets relative to the payload start
+    16 + H     payload   the columns' raw bytes, each starting on an 8-byte boundary
+
+A reader checks the magic, the version, that the file is exactly 16 + H + payload_bytes long
+and the payload's CRC-32, so a truncated or altered file is refused, never half read. Files
+are written to a temporary name and renamed, so a failed write leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+__all__ = [
+    "ALLOC", "CATEGORIES", "FREE", "FORMAT_VERSION", "PHASE", "PHASES", "STEP", "Trace", "TraceFormatError",
+]
+
+MAGIC = b"VKTRACE\0"
+FORMAT_VERSION = 1
+
+# Event kinds (the `kind` column). The C replay treats any kind but ALLOC and FREE as a marker.
+ALLOC, FREE, PHASE, STEP = 0, 1, 2, 3
+KIND_NAMES = ("alloc", "free", "phase", "step")
+# Phase markers carry the phase's index in PHASES as their id; step markers the step number.
+PHASES = ("setup", "forward", "backward", "optimizer", "other")
+# What an allocation holds, as far as the capture can tell (the breakdown at the peak).
+# "host": made on the capture device but kept in host memory on a GPU run (an Adam `step`
+# counter); a GPU prediction leaves it out. "workspace": a GPU-only line item (cuBLAS).
+CATEGORIES = ("parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "buffer",
+              "workspace", "host", "unknown")
+
+_EVENT_COLUMNS = {"kind": np.uint8, "id": np.int64, "size": np.uint64, "stream": np.uint64}
+_ALLOC_COLUMNS = {"alloc_dtype": np.int16, "alloc_category": np.uint8, "alloc_module": np.int32,
+                  "alloc_op": np.int32}
+_STRING_TABLES = ("dtypes", "modules", "ops")
+
+
+class TraceFormatError(ValueError):
+    """A trace (file or columns) that vramkit cannot read: wrong magic, another format version,
+    truncated, corrupted, or columns that contradict each other."""
+
+
+@dataclass
+class Trace:
+    """An allocation trace.
+
+    Event columns (length ``num_events``): ``kind`` (ALLOC, FREE, PHASE, STEP), ``id`` (the
+    allocation id, from 0, each allocated at most once; for PHASE the phase index, for STEP the
+    step number), ``size`` (requested bytes of the allocation, on its ALLOC and FREE events),
+    ``stream`` (0 unless the source had several streams).
+
+    Allocation columns (length ``num_allocations``, indexed by id): ``alloc_dtype``,
+    ``alloc_module`` and ``alloc_op`` index the string tables ``dtypes``, ``modules`` and ``ops``
+    (-1: unknown); ``alloc_category`` indexes CATEGORIES.
+
+    ``meta`` is free-form JSON-able information: where the trace came from, the device it was
+    captured on, batch size, torch version, and the GPU-only line items added to it.
+    """
+
+    kind: np.ndarray
+    id: np.ndarray
+    size: np.ndarray
+    stream: np.ndarray
+    alloc_dtype: np.ndarray
+    alloc_category: np.ndarray
+    alloc_module: np.ndarray
+    alloc_op: np.ndarray
+    dtypes: list[str] = field(default_factory=list)
+    modules: list[str] = field(default_factory=list)
+    ops: list[str] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_columns(cls, *, kind: Any, id: Any, size: Any, stream: Any = None, alloc_dtype: Any = None,
+                     alloc_category: Any = None, alloc_module: Any = None, alloc_op: Any = None,
+                     dtypes: Sequence[str] = (), modules: Sequence[str] = (), ops: Sequence[str] = (),
+                     meta: Mapping[str, Any] | None = None) -> "Trace":
+        """Build a trace from array-likes, filling absent allocation columns with "unknown",
+        and check it (``TraceFormatError`` naming the first bad event)."""
+        kind = np.ascontiguousarray(kind, dtype=np.uint8)
+        n = len(kind)
+        ids = np.ascontiguousarray(id, dtype=np.int64)
+        size = np.ascontiguousarray(size, dtype=np.uint64)
+        stream = np.zeros(n, np.uint64) if stream is None else np.ascontiguousarray(stream, dtype=np.uint64)
+        is_alloc = kind == ALLOC
+        num = int(ids[is_alloc].max()) + 1 if is_alloc.any() else 0
+
+        def table(values: Any, dtype: Any, fill: int) -> np.ndarray:
+            if values is None:
+                return np.full(num, fill, dtype=dtype)
+            return np.ascontiguousarray(values, dtype=dtype)
+
+        t = cls(kind=kind, id=ids, size=size, stream=stream,
+                alloc_dtype=table(alloc_dtype, np.int16, -1),
+                alloc_category=table(alloc_category, np.uint8, CATEGORIES.index("unknown")),
+                alloc_module=table(alloc_module, np.int32, -1), alloc_op=table(alloc_op, np.int32, -1),
+                dtypes=list(dtypes), modules=list(modules), ops=list(ops), meta=dict(meta or {}))
+        t.validate()
+        return t
+
+    # ------------------------------------------------------------------ checks
+
+    def validate(self) -> None:
+        """Check that the columns agree: equal lengths, known kinds, every allocation id used by
+        exactly one ALLOC, every FREE after its ALLOC and at most once, table indexes in range.
+        Raises ``TraceFormatError`` naming the first violation."""
+        n = len(self.kind)
+        for name in _EVENT_COLUMNS:
+            col = getattr(self, name)
+            if col.ndim != 1 or len(col) != n:
+                raise TraceFormatError(f"column {name!r} has {len(col)} entries; the trace has {n} events")
+        bad = np.flatnonzero(self.kind > STEP)
+        if bad.size:
+            i = int(bad[0])
+            raise TraceFormatError(f"event {i}: unknown kind {int(self.kind[i])} (allowed: 0 alloc, 1 free, "
+                                   "2 phase, 3 step)")
+        num = self.num_allocations
+        for name in _ALLOC_COLUMNS:
+            col = getattr(self, name)
+            if col.ndim != 1 or len(col) != num:
+                raise TraceFormatError(f"column {name!r} has {len(col)} entries; the trace has {num} allocation "
+                                       "ids (the largest allocated id + 1)")
+        mem = self.kind <= FREE
+        neg = np.flatnonzero(mem & (self.id < 0))
+        if neg.size:
+            i = int(neg[0])
+            raise TraceFormatError(f"event {i}: negative allocation id {int(self.id[i])}")
+        for which, mask in (("alloc", self.kind == ALLOC), ("free", self.kind == FREE)):
+            idx = np.flatnonzero(mask)
+            ids = self.id[idx]
+            if which == "free" and ids.size and int(ids.max()) >= num:
+                i = int(idx[np.argmax(ids >= num)])
+                raise TraceFormatError(f"event {i}: free of id {int(self.id[i])}, which is never allocated")
+            order = np.argsort(ids, kind="stable")
+            dup = np.flatnonzero(ids[order][1:] == ids[order][:-1])
+            if dup.size:
+                i = int(idx[order[dup[0] + 1]])
+                raise TraceFormatError(f"event {i}: second {which} of id {int(self.id[i])} (an id is allocated "
+                                       "once and freed at most once)")
+        a, f = self.alloc_index, self.free_index
+        if num and (a < 0).any():
+            i = int(np.flatnonzero(a < 0)[0])
+            raise TraceFormatError(f"allocation id {i} is never allocated (ids must be dense from 0)")
+        early = np.flatnonzero((f >= 0) & (f < a))
+        if early.size:
+            i = int(early[0])
+            raise TraceFormatError(f"event {int(f[i])}: free of id {i} before its alloc at event {int(a[i])}")
+        huge = np.flatnonzero(self.size >= np.uint64(1 << 62))
+        if huge.size:
+            i = int(huge[0])
+            raise TraceFormatError(f"event {i}: size {int(self.size[i])} is not below 2**62")
+        for name, table in (("alloc_dtype", self.dtypes), ("alloc_module", self.modules), ("alloc_op", self.ops)):
+            col = getattr(self, name)
+            if col.size and (int(col.min()) < -1 or int(col.max()) >= len(table)):
+                raise TraceFormatError(f"column {name!r} indexes past its string table ({len(table)} entries)")
+        if self.alloc_category.size and int(self.alloc_category.max()) >= len(CATEGORIES):
+            raise TraceFormatError(f"column 'alloc_category' has a value past {len(CATEGORIES) - 1}")
+
+    # ------------------------------------------------------------------ derived views
+
+    @property
+    def num_events(self) -> int:
+        return len(self.kind)
+
+    @property
+    def num_allocations(self) -> int:
+        mask = self.kind == ALLOC
+        return int(self.id[mask].max()) + 1 if mask.any() else 0
+
+    @property
+    def alloc_index(self) -> np.ndarray:
+        """Per allocation id, the index of its ALLOC event (-1 if none)."""
+        out = np.full(self.num_allocations, -1, np.int64)
+        idx = np.flatnonzero(self.kind == ALLOC)
+        out[self.id[idx]] = idx
+        return out
+
+    @property
+    def free_index(self) -> np.ndarray:
+        """Per allocation id, the index of its FREE event (-1 if it is never freed)."""
+        out = np.full(self.num_allocations, -1, np.int64)
+        idx = np.flatnonzero(self.kind == FREE)
+        ids = self.id[idx]
+        ok = ids < len(out)
+        out[ids[ok]] = idx[ok]
+        return out
+
+    @property
+    def alloc_size(self) -> np.ndarray:
+        """Per allocation id, its requested bytes."""
+        out = np.zeros(self.num_allocations, np.uint64)
+        idx = np.flatnonzero(self.kind == ALLOC)
+        out[self.id[idx]] = self.size[idx]
+        return out
+
+    def live_after(self, event: int) -> np.ndarray:
+        """Ids of the allocations live just after event index `event`."""
+        a, f = self.alloc_index, self.free_index
+        return np.flatnonzero((a <= event) & ((f < 0) | (f > event)))
+
+    def phase_at(self) -> np.ndarray:
+        """Per event, the index in PHASES of the phase it belongs to (setup before any marker)."""
+        marks = self.kind == PHASE
+        pos = np.where(marks, np.arange(self.num_events), -1)
+        last = np.maximum.accumulate(pos) if self.num_events else pos
+        return np.where(last >= 0, self.id[np.maximum(last, 0)], 0).astype(np.int64)
+
+    def name_of(self, table: str, index: int) -> str:
+        values = getattr(self, table)
+        return values[index] if 0 <= index < len(values) else "?"
+
+    # ------------------------------------------------------------------ files
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write the trace as a ``.vktrace`` file (see the module docstring); returns the path."""
+        path = os.fspath(path)
+        columns, chunks, offset = [], [], 0
+        for name in (*_EVENT_COLUMNS, *_ALLOC_COLUMNS):
+            col = np.ascontiguousarray(getattr(self, name))
+            raw = col.astype(col.dtype.newbyteorder("<"), copy=False).tobytes()
+            pad = (-offset) % 8
+            chunks.append(b"\0" * pad)
+            offset += pad
+            columns.append({"name": name, "dtype": col.dtype.newbyteorder("<").str, "length": len(col),
+                            "offset": offset})
+            chunks.append(raw)
+            offset += len(raw)
+        payload = b"".join(chunks)
+        header = json.dumps({"meta": self.meta, "strings": {k: list(getattr(self, k)) for k in _STRING_TABLES},
+                             "columns": columns, "payload_bytes": len(payload),
+                             "payload_crc32": zlib.crc32(payload)}, separators=(",", ":")).encode()
+        prefix = MAGIC + np.array([FORMAT_VERSION, len(header)], "<u4").tobytes()
+        directory = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix=".vktrace-", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(prefix)
+                f.write(header)
+                f.write(payload)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Trace":
+        """Read a ``.vktrace`` file; ``TraceFormatError`` says what is wrong with a bad one."""
+        path = os.fspath(path)
+        with open(path, "rb") as f:
+            data = f.read()
+        return cls.from_bytes(data, what=path)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, what: str = "trace") -> "Trace":
+        if len(data) < 16:
+            raise TraceFormatError(f"{what}: {len(data)} bytes is too short for a .vktrace file (16-byte prefix)")
+        if data[:8] != MAGIC:
+            raise TraceFormatError(f"{what}: not a .vktrace file (magic {data[:8]!r}, expected {MAGIC!r})")
+        version, hlen = (int(v) for v in np.frombuffer(data[8:16], "<u4"))
+        if version != FORMAT_VERSION:
+            raise TraceFormatError(f"{what}: .vktrace format version {version}; this vramkit reads version "
+                                   f"{FORMAT_VERSION}")
+        if len(data) < 16 + hlen:
+            raise TraceFormatError(f"{what}: truncated: the header needs {16 + hlen} bytes, the file has {len(data)}")
+        try:
+            header = json.loads(data[16:16 + hlen].decode())
+            payload_bytes = int(header["payload_bytes"])
+            crc = int(header["payload_crc32"])
+            col_specs = header["columns"]
+            strings = header["strings"]
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            raise TraceFormatError(f"{what}: unreadable header ({exc})") from None
+        expected = 16 + hlen + payload_bytes
+        if len(data) != expected:
+            state = "truncated" if len(data) < expected else "has trailing bytes"
+            raise TraceFormatError(f"{what}: {state}: expected {expected} bytes, the file has {len(data)}")
+        payload = memoryview(data)[16 + hlen:]
+        if zlib.crc32(payload) != crc:
+            raise TraceFormatError(f"{what}: corrupted: the payload's CRC-32 does not match the header")
+        cols: dict[str, np.ndarray] = {}
+        wanted = {**_EVENT_COLUMNS, **_ALLOC_COLUMNS}
+        for spec in col_specs:
+            name = spec.get("name")
+            if name not in wanted:
+                continue
+            dtype = np.dtype(spec["dtype"])
+            start, length = int(spec["offset"]), int(spec["length"])
+            end = start + length * dtype.itemsize
+            if start < 0 or end > payload_bytes:
+                raise TraceFormatError(f"{what}: column {name!r} lies outside the payload")
+            cols[name] = np.frombuffer(payload[start:end], dtype=dtype).astype(wanted[name])
+        missing = sorted(set(wanted) - set(cols))
+        if missing:
+            raise TraceFormatError(f"{what}: missing columns {missing}")
+        t = cls(**cols, **{k: [str(s) for s in strings.get(k, [])] for k in _STRING_TABLES},
+                meta=dict(header.get("meta") or {}))
+        t.validate()
+        return t
+
+    def __repr__(self) -> str:
+        return (f"Trace({self.num_events:,} events, {self.num_allocations:,} allocations, "
+                f"source={self.meta.get('source', '?')!r})")

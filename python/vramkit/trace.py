@@ -1,0 +1,75 @@
+"""Predict: will a training step fit on a 24/40/80 GiB GPU?
+
+* ``capture(step_fn, *args, device="meta")`` records a PyTorch step's storage allocations and
+  frees (size, dtype, module path, op, phase) without a GPU; on ``meta`` nothing is allocated.
+* ``replay(trace, "24GiB")`` replays it on a simulated device with PyTorch's allocator policy
+  (the loop is C) and returns a ``Prediction``: peaks, the OOM and where, fragmentation, and
+  what was live at the peak by category and module.
+* ``fit(build, "24GiB", batch_size=...)`` finds the largest batch size that fits and what makes
+  a given one fit.
+* ``Trace.save`` / ``load`` read and write ``.vktrace`` files; ``load`` (and
+  ``from_torch_snapshot``) also read PyTorch's memory snapshot pickles, so a run recorded on a
+  real GPU replays here.
+
+``capture`` and ``fit`` need torch; the rest needs only NumPy.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ._trace_format import ALLOC, CATEGORIES, FREE, PHASE, PHASES, STEP, Trace, TraceFormatError
+from ._trace_replay import NO_OVERHEADS, GpuOverheads, Prediction, format_size, parse_size, peak_live_bytes, replay
+
+__all__ = [
+    "ALLOC", "CATEGORIES", "FREE", "GpuOverheads", "NO_OVERHEADS", "PHASE", "PHASES", "Prediction", "STEP", "Trace",
+    "TraceFormatError", "capture", "fit", "format_size", "from_torch_snapshot", "load", "parse_size",
+    "peak_live_bytes", "replay",
+]
+
+
+def load(path: str | os.PathLike) -> Trace:
+    """Read a ``.vktrace`` file or a PyTorch memory snapshot pickle (``_dump_snapshot``),
+    told apart by their first bytes. Unpickling runs code from the file: open only your own."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head == b"VKTRACE\0":
+        return Trace.load(path)
+    if head[:1] == b"\x80":  # a pickle protocol 2+ stream
+        return from_torch_snapshot(path)
+    raise TraceFormatError(f"{path}: neither a .vktrace file nor a pickle (it starts with {head!r})")
+
+
+def from_torch_snapshot(snapshot: Any, device: int | None = None) -> Trace:
+    """See ``vramkit._trace_import.from_torch_snapshot``."""
+    from ._trace_import import from_torch_snapshot as _import
+
+    return _import(snapshot, device)
+
+
+def capture(step_fn: Any, *args: Any, **kwargs: Any) -> Trace:
+    """See ``vramkit._trace_capture.capture`` (imports torch)."""
+    from ._trace_capture import capture as _capture
+
+    return _capture(step_fn, *args, **kwargs)
+
+
+def fit(build: Any, capacity: Any = "24GiB", **kwargs: Any) -> Any:
+    """See ``vramkit._trace_fit.fit`` (imports torch)."""
+    from ._trace_fit import fit as _fit
+
+    return _fit(build, capacity, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("CaptureError",):
+        from . import _trace_capture
+
+        return getattr(_trace_capture, name)
+    if name in ("FitReport", "Probe", "Suggestion"):
+        from . import _trace_fit
+
+        return getattr(_trace_fit, name)
+    raise AttributeError(f"module 'vramkit.trace' has no attribute {name!r}")

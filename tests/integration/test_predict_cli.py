@@ -1,0 +1,111 @@
+"""`vramkit fit` and `vramkit replay` end to end, in a child Python, as a user would run them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import subprocess_env
+
+pytest.importorskip("torch")
+TESTS = Path(__file__).resolve().parents[1]
+
+SCRIPT = textwrap.dedent(f"""
+    import sys
+    sys.path.insert(0, {str(TESTS)!r})
+    from trace_models import GPTConfig, gpt_builder
+
+    vramkit_step = gpt_builder(GPTConfig(vocab=1000, seq=128, dim=128, heads=4, layers=2))
+    other_name = vramkit_step
+
+    if __name__ == "__main__":
+        raise SystemExit("the training loop must not run under vramkit fit")
+""")
+
+
+def vramkit(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "vramkit", *args], cwd=cwd, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+@pytest.fixture()
+def script(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def test_fit_finds_the_largest_batch_and_writes_the_timeline(tmp_path, script):
+    from vramkit import trace as vt
+
+    sys.path.insert(0, str(TESTS))
+    from trace_models import GPTConfig, gpt_builder
+
+    proc = vramkit("fit", "train.py", "--device-memory", "160MiB", "--cuda-context-mib", "0",
+                   "--cublas-workspace-mib", "0", "--trace", "best.vktrace", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("largest batch size that fits: "), proc.stdout
+    best = int(first.split(": ")[1].split()[0])
+    # Independent check through the library: best fits, best + 1 does not.
+    build = gpt_builder(GPTConfig(vocab=1000, seq=128, dim=128, heads=4, layers=2))
+    assert vt.replay(vt.capture(build, best, steps=2), "160MiB", overheads=vt.NO_OVERHEADS).fits
+    assert not vt.replay(vt.capture(build, best + 1, steps=2), "160MiB", overheads=vt.NO_OVERHEADS).fits
+    assert "batch size 1: fits" in proc.stderr  # progress, one line per probe
+    page = (tmp_path / "vramkit-predict.html").read_text()
+    assert "<svg" in page and "layers.0" in page
+    saved = vt.load(tmp_path / "best.vktrace")
+    assert saved.meta["batch_size"] == best
+
+
+def test_fit_of_a_batch_that_does_not_fit_exits_3_with_the_verdict_first(tmp_path, script):
+    proc = vramkit("fit", "train.py", "--device-memory", "672MiB", "--batch-size", "64", "--no-search",
+                   "--entry", "other_name", cwd=tmp_path)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("batch size 64: OOM at "), proc.stdout
+    assert "gradient accumulation:" in proc.stdout
+
+
+@pytest.mark.parametrize("args, status, message", [
+    (["missing.py", "--device-memory", "24GiB"], 2, "script 'missing.py' not found"),
+    (["train.py", "--device-memory", "24 GB"], 2, "ambiguous"),
+    (["train.py", "--device-memory", "lots"], 2, "is not a size"),
+    (["train.py", "--device-memory", "24GiB", "--entry", "nope"], 2, "defines no function nope(batch_size)"),
+    (["train.py", "--device-memory", "24GiB", "--no-search"], 2, "--no-search needs --batch-size"),
+    (["broken.py", "--device-memory", "24GiB"], 1, "the step vramkit_step() raised ValueError: bad shape"),
+    (["raises_on_load.py", "--device-memory", "24GiB"], 1, "loading raises_on_load.py raised ModuleNotFoundError"),
+])
+def test_fit_bad_input(tmp_path, script, args, status, message):
+    (tmp_path / "broken.py").write_text("def vramkit_step(batch_size):\n    def build():\n"
+                                        "        raise ValueError('bad shape')\n    return build()\n")
+    (tmp_path / "raises_on_load.py").write_text("import no_such_module_here\n")
+    proc = vramkit("fit", *args, cwd=tmp_path)
+    assert proc.returncode == status, proc.stdout + proc.stderr
+    assert message in proc.stderr, proc.stderr
+    assert not (tmp_path / "vramkit-predict.html").exists()
+
+
+def test_replay_of_a_saved_trace(tmp_path, script):
+    from vramkit import trace as vt
+
+    sys.path.insert(0, str(TESTS))
+    from trace_models import GPTConfig, gpt_builder
+
+    t = vt.capture(gpt_builder(GPTConfig()), 2, steps=2)
+    t.save(tmp_path / "t.vktrace")
+    expected = vt.replay(t, "1GiB")
+    proc = vramkit("replay", "t.vktrace", "--device-memory", "1GiB", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == expected.verdict()
+    proc = vramkit("replay", "t.vktrace", "--device-memory", "600MiB", "--cuda-context-mib", "599", cwd=tmp_path)
+    assert proc.returncode == 3 and proc.stdout.startswith("OOM at "), proc.stdout + proc.stderr
+    (tmp_path / "cut.vktrace").write_bytes((tmp_path / "t.vktrace").read_bytes()[:-10])
+    proc = vramkit("replay", "cut.vktrace", "--device-memory", "1GiB", cwd=tmp_path)
+    assert proc.returncode == 2 and "truncated" in proc.stderr
+    proc = vramkit("replay", "nothing.vktrace", "--device-memory", "1GiB", cwd=tmp_path)
+    assert proc.returncode == 2 and "not found" in proc.stderr

@@ -1,0 +1,190 @@
+"""vramkit.trace.capture: the trace of a real PyTorch training step, checked against a live
+CPU run measured by vramkit.torch.track(), against the same capture on the other device, and
+against the models' own parameter counts."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from trace_models import GPT, GPTConfig, ResNet, gpt_builder, resnet_builder  # noqa: E402
+
+from vramkit import trace as vt  # noqa: E402
+from vramkit.torch import track  # noqa: E402
+
+MODELS = {
+    "gpt-sdpa": gpt_builder(GPTConfig()),
+    "gpt-matmul-attention": gpt_builder(GPTConfig(sdpa=False)),
+    "gpt-checkpointed": gpt_builder(GPTConfig(checkpoint=True)),
+    "resnet": resnet_builder(),
+}
+COLUMNS = ("kind", "id", "size", "stream", "alloc_dtype", "alloc_category", "alloc_module", "alloc_op")
+
+
+def step_peak(t: vt.Trace) -> int:
+    """Peak of the live bytes of storages created inside the steps (not in the builder), in
+    NumPy: what track() measures around the same steps. Host-side scalars (Adam's step
+    counters, made by torch.tensor() outside any operation) are left out: track() counts only
+    operation outputs, and a GPU run keeps them in host memory."""
+    first_step = np.flatnonzero(t.kind == vt.STEP)[0]
+    counted = (t.alloc_index > first_step) & (t.alloc_category != vt.CATEGORIES.index("host"))
+    mem = t.kind <= vt.FREE
+    sizes = np.where(counted, t.alloc_size.astype(np.int64), 0)
+    delta = np.where(t.kind[mem] == vt.ALLOC, sizes[t.id[mem]], -sizes[t.id[mem]])
+    return int(np.cumsum(delta).max())
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_cpu_capture_peak_equals_a_live_cpu_run(name, batch):
+    build = MODELS[name]
+    trace = vt.capture(build, batch, device="cpu", steps=2)
+    step = build(batch)  # the same model, built for real outside any capture
+    with track() as meter:
+        step()
+        step()
+    assert step_peak(trace) == meter.peak
+    assert meter.peak > 0
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("batch", [1, 5])
+def test_meta_and_cpu_captures_are_identical(name, batch):
+    meta = vt.capture(MODELS[name], batch, device="meta", steps=2)
+    cpu = vt.capture(MODELS[name], batch, device="cpu", steps=2)
+    for col in COLUMNS:
+        np.testing.assert_array_equal(getattr(meta, col), getattr(cpu, col), err_msg=col)
+    assert (meta.dtypes, meta.modules, meta.ops) == (cpu.dtypes, cpu.modules, cpu.ops)
+    assert meta.meta["source"] == "capture:meta" and cpu.meta["source"] == "capture:cpu"
+
+
+def test_checkpointing_lowers_the_activation_peak():
+    plain = vt.capture(MODELS["gpt-sdpa"], 8, device="meta", steps=1)
+    ckpt = vt.capture(MODELS["gpt-checkpointed"], 8, device="meta", steps=1)
+    assert step_peak(ckpt) < step_peak(plain)
+    # The recomputation runs the blocks' forward ops again inside the backward.
+    phases = ckpt.phase_at()
+    ops_in_backward = {ckpt.name_of("ops", int(ckpt.alloc_op[i])) for i in range(ckpt.num_allocations)
+                       if vt.PHASES[int(phases[ckpt.alloc_index[i]])] == "backward"}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops_in_backward
+    assert "aten::gelu" in ops_in_backward
+
+
+def category_bytes(t: vt.Trace, category: str) -> int:
+    mask = t.alloc_category == vt.CATEGORIES.index(category)
+    return int(t.alloc_size[mask].sum())
+
+
+def test_categories_match_the_model():
+    cfg = GPTConfig()
+    t = vt.capture(gpt_builder(cfg), 2, device="meta", steps=2)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    assert params == cfg.num_params  # the config's own formula, written by hand
+    assert category_bytes(t, "parameter") == 4 * params
+    # AdamW: exp_avg and exp_avg_sq per parameter; step counters kept on the host on a GPU.
+    assert category_bytes(t, "optimizer_state") == 2 * 4 * params
+    assert category_bytes(t, "host") == 4 * len(list(model.parameters()))
+    # One gradient per parameter per step, two steps.
+    assert category_bytes(t, "gradient") == 2 * 4 * params
+    assert category_bytes(t, "activation") > 0 and category_bytes(t, "temporary") > 0
+    # The batch: token ids and targets, int64.
+    assert category_bytes(t, "input") == 2 * 2 * cfg.seq * 8
+
+
+def test_resnet_buffers_and_sgd_momentum():
+    t = vt.capture(resnet_builder(), 4, device="meta", steps=2)
+    model = ResNet()
+    assert category_bytes(t, "buffer") == sum(b.numel() * b.element_size() for b in model.buffers())
+    assert category_bytes(t, "optimizer_state") == sum(4 * p.numel() for p in model.parameters())
+
+
+def test_module_paths_and_ops_forward_and_backward():
+    t = vt.capture(gpt_builder(GPTConfig()), 2, device="meta", steps=1)
+    phases = t.phase_at()
+    mods = {(t.name_of("modules", int(t.alloc_module[i])), t.name_of("ops", int(t.alloc_op[i])),
+             vt.PHASES[int(phases[t.alloc_index[i]])]) for i in range(t.num_allocations)}
+    assert ("layers.1.attn.qkv", "aten::addmm", "forward") in mods
+    assert ("layers.0.mlp.1", "aten::gelu", "forward") in mods
+    assert ("layers.0.mlp.1", "aten::gelu_backward", "backward") in mods
+    assert ("layers.1.attn.qkv", "aten::mm", "backward") in mods
+    # The weight gradient of layers.0.mlp.2 is attributed to that module.
+    grads = [t.name_of("modules", int(t.alloc_module[i])) for i in range(t.num_allocations)
+             if t.alloc_category[i] == vt.CATEGORIES.index("gradient")]
+    assert "layers.0.mlp.2" in grads and "head" in grads
+    # Phase markers come in training order within a step.
+    marks = [vt.PHASES[int(i)] for k, i in zip(t.kind, t.id) if k == vt.PHASE]
+    assert marks[:1] == ["setup"]
+    order = [m for m in marks[1:] if m in ("forward", "backward", "optimizer")]
+    assert order == ["forward", "backward", "optimizer"]
+
+
+def test_step_form_with_a_prebuilt_model_counts_it_from_the_start():
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(16, 32)
+
+    def step(model, x):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    t = vt.capture(step, model, x, device="meta", steps=3)
+    assert t.meta["form"] == "step" and t.meta["steps"] == 3
+    first_step = int(np.flatnonzero(t.kind == vt.STEP)[0])
+    initial = t.alloc_index < first_step
+    params = sum(4 * p.numel() for p in model.parameters())
+    assert int(t.alloc_size[initial & (t.alloc_category == vt.CATEGORIES.index("parameter"))].sum()) == params
+    assert int(t.alloc_size[initial & (t.alloc_category == vt.CATEGORIES.index("input"))].sum()) == 16 * 32 * 4
+    assert list(t.id[t.kind == vt.STEP]) == [0, 1, 2]
+
+
+def test_seven_billion_parameters_on_meta():
+    """A 6.7B-parameter decoder (LLaMA-7B-like sizes) is traced without allocating it."""
+    cfg = GPTConfig(vocab=32000, seq=256, dim=4096, heads=32, layers=32, mlp_ratio=4)
+    assert cfg.num_params > 6.5e9
+    t = vt.capture(gpt_builder(cfg), 1, device="meta", steps=1)
+    assert category_bytes(t, "parameter") == 4 * cfg.num_params
+    assert vt.peak_live_bytes(t) > 3 * 4 * cfg.num_params  # weights, gradients and two Adam moments
+
+
+def test_bad_input_is_refused_and_leaves_no_hooks():
+    from torch.nn.modules import module as nn_module
+
+    before = (len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks))
+
+    def raising():
+        raise KeyError("boom")
+
+    with pytest.raises(vt.CaptureError, match="raised KeyError") as info:
+        vt.capture(raising, device="meta")
+    assert isinstance(info.value.__cause__, KeyError)
+    with pytest.raises(ValueError, match="capture runs on 'meta'"):
+        vt.capture(lambda: None, device="cuda")
+    with pytest.raises(ValueError, match="device must be"):
+        vt.capture(lambda: None, device="nonsense")
+    with pytest.raises(ValueError, match="steps must be"):
+        vt.capture(lambda: None, steps=0)
+    with pytest.raises(TypeError, match="callable"):
+        vt.capture(42)
+    cpu_model = torch.nn.Linear(2, 2)
+    with pytest.raises(vt.CaptureError, match="tensors on cpu, but the capture device is meta"):
+        vt.capture(lambda m: m, cpu_model, device="meta")
+
+    def nested():
+        vt.capture(lambda: None)
+
+    with pytest.raises(vt.CaptureError, match="captures cannot nest"):
+        vt.capture(nested)
+    assert (len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks)) == before
+    # And a capture still works afterwards.
+    assert vt.capture(MODELS["resnet"], 1, device="meta").num_events > 0
