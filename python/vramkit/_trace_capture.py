@@ -84,6 +84,9 @@ class _Recorder:
         self.optimizers: list[weakref.ref] = []
         self.in_optimizer = 0
         self.lock = threading.RLock()
+        self.checkpoint_blocks = False
+        self.checkpointed: list[nn.Module] = []
+        self.checkpointed_path = ""
 
     # ---------------------------------------------------------------- phases
 
@@ -321,6 +324,51 @@ def _add_root(rec: _Recorder, module: nn.Module) -> None:
         rec.roots.append(weakref.ref(module))
         for name, sub in module.named_modules(remove_duplicate=False):
             rec.names.setdefault(id(sub), name)
+        if rec.checkpoint_blocks and not rec.checkpointed:
+            _checkpoint_repeated_blocks(rec, module)
+
+
+def repeated_blocks(root: nn.Module) -> tuple[str, list[nn.Module]] | None:
+    """The model's stack of repeated blocks: the ModuleList or Sequential of two or more
+    children of one class holding the most parameters (a transformer's layers, a ResNet
+    stage), as (path, blocks); None if there is none."""
+    best, best_params = None, 0
+    for name, mod in root.named_modules():
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(mod.children())
+        if len(children) < 2 or len({type(c) for c in children}) != 1:
+            continue
+        params = sum(p.numel() for p in mod.parameters())
+        if params > best_params:
+            best, best_params = (name, children), params
+    return best
+
+
+def _checkpoint_repeated_blocks(rec: _Recorder, root: nn.Module) -> None:
+    """Wrap each repeated block's forward in torch.utils.checkpoint (non-reentrant), for this
+    capture only: what ``fit`` predicts for "checkpoint every block"."""
+    from torch.utils.checkpoint import checkpoint
+
+    found = repeated_blocks(root)
+    if found is None:
+        return
+    name, blocks = found
+    for block in blocks:
+        original = block.forward
+
+        def wrapped(*args: Any, _f: Any = original, **kwargs: Any) -> Any:
+            return checkpoint(_f, *args, use_reentrant=False, **kwargs)
+
+        block.forward = wrapped
+        rec.checkpointed.append(block)
+    rec.checkpointed_path = f"{name} ({len(blocks)} x {type(blocks[0]).__name__})"
+
+
+def _restore_blocks(rec: _Recorder) -> None:
+    for block in rec.checkpointed:
+        block.__dict__.pop("forward", None)
+    rec.checkpointed.clear()
 
 
 def _tag_grads(rec: _Recorder, optimizer: Any) -> None:
@@ -449,7 +497,7 @@ def _as_device(device: Any) -> torch.device:
 
 
 def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps: int = 1,
-            meta: dict | None = None, **kwargs: Any) -> Trace:
+            meta: dict | None = None, checkpoint_blocks: bool = False, **kwargs: Any) -> Trace:
     """Run `steps` training steps and return their allocation trace.
 
     Two forms:
@@ -466,7 +514,9 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
 
     On ``meta`` nothing is allocated; on ``cpu`` the step really runs. Either way every
     storage allocation and free is recorded in order with its size, dtype, module path, op
-    and phase. Raises ``CaptureError`` (with the step's exception as cause) if the step raises;
+    and phase. With `checkpoint_blocks`, the model's repeated blocks (``repeated_blocks``) run
+    under ``torch.utils.checkpoint`` for this capture, to see what checkpointing every block
+    would save. Raises ``CaptureError`` (with the step's exception as cause) if the step raises;
     nothing is returned then.
     """
     if not callable(step_fn):
@@ -478,6 +528,7 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
     if not _ACTIVE.acquire(blocking=False):
         raise RuntimeError("another vramkit.trace.capture is running in this process; captures cannot nest")
     rec = _Recorder(dev)
+    rec.checkpoint_blocks = bool(checkpoint_blocks)
     hooks = _install_hooks(rec)
     attention = _register_fused_attention()
     info = dict(meta or {})
@@ -504,11 +555,14 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
                     _end_step(rec)
         info.update(source=f"capture:{dev.type}", device=dev.type, steps=steps, form=form,
                     torch_version=torch.__version__)
+        if checkpoint_blocks:
+            info["checkpointed_blocks"] = rec.checkpointed_path
         return _to_trace(rec, info)
     finally:
         for h in hooks:
             h.remove()
         attention._destroy()
+        _restore_blocks(rec)
         rec.close()
         _ACTIVE.release()
 

@@ -90,10 +90,12 @@ class FitReport:
 
 
 def _probe(build: Callable[..., Any], batch_size: int, cap: int, steps: int, alloc_conf: Any,
-           overheads: GpuOverheads | None) -> Probe:
+           overheads: GpuOverheads | None, checkpoint_blocks: bool = False) -> Probe:
     t0 = time.perf_counter()
-    trace = capture(build, batch_size, device="meta", steps=steps, meta={"batch_size": batch_size})
+    trace = capture(build, batch_size, device="meta", steps=steps, meta={"batch_size": batch_size},
+                    checkpoint_blocks=checkpoint_blocks)
     pred = replay(trace, cap, alloc_conf, overheads=overheads)
+    pred.checkpointed_blocks = trace.meta.get("checkpointed_blocks", "")
     return Probe(batch_size, pred, time.perf_counter() - t0)
 
 
@@ -109,9 +111,10 @@ def fit(build: Callable[..., Any], capacity: Any = "24GiB", *, batch_size: int |
     created in the first step's ``optimizer.step()``, so the second step is the steady state).
 
     With `search`, the largest batch size up to `max_batch_size` that fits is found. With
-    `batch_size`, that size is predicted and, if it does not fit, gradient accumulation
-    (micro-batches that divide it) and allocator options are tried; each suggestion carries its
-    predicted peak and its cost. `progress` receives a line per probe.
+    `batch_size`, that size is predicted and, if it does not fit, allocator options (when the
+    live bytes would fit), gradient accumulation (micro-batches that divide it) and activation
+    checkpointing of the model's repeated blocks (alone, then with accumulation) are tried; each
+    suggestion carries its predicted peak and its cost. `progress` receives a line per probe.
     """
     if not callable(build):
         raise TypeError(f"build must be callable (batch_size -> step function), got {type(build).__name__}")
@@ -122,15 +125,17 @@ def fit(build: Callable[..., Any], capacity: Any = "24GiB", *, batch_size: int |
     if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
         raise ValueError(f"batch_size must be an integer >= 1 or None, got {batch_size!r}")
     say = progress or (lambda line: None)
-    cache: dict[tuple[int, Any], Probe] = {}
+    cache: dict[tuple[int, str, bool], Probe] = {}
 
-    def probe(bs: int, conf: Any = alloc_conf) -> Probe:
-        key = (bs, str(conf))
+    def probe(bs: int, conf: Any = alloc_conf, checkpoint_blocks: bool = False) -> Probe:
+        key = (bs, str(conf), checkpoint_blocks)
         if key not in cache:
-            p = _probe(build, bs, cap, steps, conf, overheads)
+            p = _probe(build, bs, cap, steps, conf, overheads, checkpoint_blocks)
             cache[key] = p
             verdict = f"fits, peak reserved {format_size(p.prediction.peak_reserved)}" if p.fits else "OOM"
-            say(f"batch size {bs}{'' if conf == alloc_conf else f' with {conf}'}: {verdict} ({p.seconds:.1f} s)")
+            how = (f" with {conf}" if conf != alloc_conf else "") + (" checkpointing every block" if checkpoint_blocks
+                                                                   else "")
+            say(f"batch size {bs}{how}: {verdict} ({p.seconds:.1f} s)")
         return cache[key]
 
     report = FitReport(capacity=cap, target_batch_size=batch_size, max_batch_size=0)
@@ -141,7 +146,8 @@ def fit(build: Callable[..., Any], capacity: Any = "24GiB", *, batch_size: int |
                                                                 report.target)
     if report.target is not None and not report.target.fits:
         report.suggestions = _suggest(probe, batch_size, report.target, alloc_conf)
-    report.probes = [p for (bs, conf), p in sorted(cache.items(), key=lambda kv: kv[0][0]) if str(conf) == str(alloc_conf)]
+    report.probes = [p for (bs, conf, ckpt), p in sorted(cache.items(), key=lambda kv: kv[0][0])
+                     if conf == str(alloc_conf) and not ckpt]
     return report
 
 
@@ -198,4 +204,25 @@ def _suggest(probe: Callable[..., Probe], target: int, pred: Prediction, alloc_c
                                   f"{k} forward/backward passes per optimizer step (same samples, smaller kernels; "
                                   "gradients stay allocated between micro-batches, as in this step)"))
             break
+    # Activation checkpointing of the repeated blocks, alone, then with accumulation.
+    p = probe(target, alloc_conf, True)
+    where = p.prediction.checkpointed_blocks
+    if where:
+        cost = (f"the backward recomputes each block's forward: one more forward pass of {where} per step "
+                "(torch.utils.checkpoint(block, x, use_reentrant=False) around each)")
+        if p.fits:
+            out.append(Suggestion(f"activation checkpointing of every block in {where}",
+                                  {"checkpoint_blocks": where}, p.prediction, cost))
+        else:
+            for k in range(2, target + 1):
+                if target % k:
+                    continue
+                q = probe(target // k, alloc_conf, True)
+                if q.fits:
+                    out.append(Suggestion(f"activation checkpointing of every block in {where}, with gradient "
+                                          f"accumulation: {k} micro-batches of {target // k}",
+                                          {"checkpoint_blocks": where, "micro_batch_size": target // k,
+                                           "accumulation_steps": k}, q.prediction,
+                                          cost + f", and {k} passes per optimizer step"))
+                    break
     return out

@@ -135,6 +135,7 @@ class Prediction:
     replay_seconds: float
     source: str = ""
     curves: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    checkpointed_blocks: str = ""  # set by fit for a capture with checkpoint_blocks
 
     @property
     def fragmentation(self) -> float:

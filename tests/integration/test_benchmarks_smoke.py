@@ -145,3 +145,17 @@ def test_amp_benchmark_refuses_to_time_a_wrong_result(monkeypatch):
     monkeypatch.setattr(bench.amp, "unscale_", one_bit_off)
     with pytest.raises(AssertionError, match="vramkit != NumPy"):
         bench.verify("fp16", arrays, None)
+
+
+def test_trace_replay_benchmark_quick():
+    """benchmarks/trace_replay.py --quick: its own check (the Python loop's reserved bytes equal
+    the C replay's) passes and it prints its three rows. No speed assertions."""
+    bench = os.path.join(REPO, "benchmarks", "trace_replay.py")
+    if not os.path.exists(bench):
+        pytest.skip("benchmarks/ is not part of this installation")
+    proc = subprocess.run([sys.executable, bench, "--quick"], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, f"trace_replay.py --quick failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    for name in ("trace_replay: C loop, 200k events, no outputs", "trace_replay: C loop, 200k events, 3 output columns",
+                 "the peer's events"):
+        assert name in proc.stdout, proc.stdout

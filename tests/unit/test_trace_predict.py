@@ -158,3 +158,36 @@ def test_replay_bad_input(gpt_trace):
         vt.replay(gpt_trace, "256MiB", overheads=vt.GpuOverheads(cuda_context=512 * MiB))
     with pytest.raises(ValueError, match="must be >= 0"):
         vt.replay(gpt_trace, "1GiB", overheads=vt.GpuOverheads(cuda_context=-1))
+
+
+def test_checkpoint_blocks_equals_a_model_that_checkpoints_itself():
+    """fit's "checkpoint every block" capture against the same model written with
+    torch.utils.checkpoint around each block: the same allocations, so the same peaks."""
+    from dataclasses import replace
+
+    cfg = GPTConfig(layers=3)
+    wrapped = vt.capture(gpt_builder(cfg), 4, steps=2, checkpoint_blocks=True)
+    written = vt.capture(gpt_builder(replace(cfg, checkpoint=True)), 4, steps=2)
+    assert wrapped.meta["checkpointed_blocks"] == "layers (3 x Block)"
+    np.testing.assert_array_equal(wrapped.kind, written.kind)
+    np.testing.assert_array_equal(wrapped.size, written.size)
+    a = vt.replay(wrapped, "1GiB", overheads=vt.NO_OVERHEADS)
+    b = vt.replay(written, "1GiB", overheads=vt.NO_OVERHEADS)
+    plain = vt.replay(vt.capture(gpt_builder(cfg), 4, steps=2), "1GiB", overheads=vt.NO_OVERHEADS)
+    assert (a.peak_allocated, a.peak_reserved) == (b.peak_allocated, b.peak_reserved)
+    assert a.by_category["activation"] < plain.by_category["activation"]
+    # The blocks are restored after the capture.
+    assert vt.capture(gpt_builder(cfg), 4, steps=2).num_events == vt.capture(gpt_builder(cfg), 4, steps=2).num_events
+
+
+def test_fit_suggests_checkpointing_when_it_is_what_makes_the_batch_fit():
+    cfg = GPTConfig(layers=4, seq=256, dim=128)
+    build = gpt_builder(cfg)
+    plain = vt.replay(vt.capture(build, 16, steps=2), "8GiB", overheads=vt.NO_OVERHEADS)
+    ckpt = vt.replay(vt.capture(build, 16, steps=2, checkpoint_blocks=True), "8GiB", overheads=vt.NO_OVERHEADS)
+    cap = (plain.peak_reserved + ckpt.peak_reserved) // 2  # between the two: only checkpointing fits
+    report = vt.fit(build, cap, batch_size=16, overheads=vt.NO_OVERHEADS, search=False)
+    assert not report.target.fits
+    ck = [s for s in report.suggestions if s.settings.get("checkpoint_blocks") and "accumulation_steps" not in s.settings]
+    assert ck and ck[0].prediction.peak_reserved == ckpt.peak_reserved, report.table()
+    assert "one more forward pass of layers (4 x Block)" in ck[0].cost
