@@ -159,3 +159,16 @@ def test_trace_replay_benchmark_quick():
     for name in ("trace_replay: C loop, 200k events, no outputs", "trace_replay: C loop, 200k events, 3 output columns",
                  "the peer's events"):
         assert name in proc.stdout, proc.stdout
+
+
+def test_predict_benchmark_quick():
+    """benchmarks/predict.py --quick: captures the 1.42B example on meta and checks the
+    capture's parameter bytes; no speed assertions."""
+    pytest.importorskip("torch")
+    bench = os.path.join(REPO, "benchmarks", "predict.py")
+    if not os.path.exists(bench):
+        pytest.skip("benchmarks/ is not part of this installation")
+    proc = subprocess.run([sys.executable, bench, "--quick"], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, f"predict.py --quick failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    assert "predict: gpt_fit.py (1.42B), batch 8" in proc.stdout and "FAIL" not in proc.stdout, proc.stdout
