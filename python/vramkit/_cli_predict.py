@@ -228,8 +228,11 @@ def cmd_replay(ns: argparse.Namespace) -> int:
         _error("replay", str(exc))
         return BAD_INPUT
     recorded = trace.meta.get("source") == "torch-snapshot"
+    # A trace recorded on a GPU already holds the cuBLAS workspace; vramkit's own cpu or sim
+    # snapshots (meta "recorded_on") do not.
+    on_gpu = recorded and not str(trace.meta.get("recorded_on", "cuda")).startswith(("cpu", "sim"))
     try:
-        pred = vt.replay(trace, ns.device_memory, ns.alloc_conf, overheads=_overheads(ns, recorded), top=ns.top,
+        pred = vt.replay(trace, ns.device_memory, ns.alloc_conf, overheads=_overheads(ns, on_gpu), top=ns.top,
                          curves=True)
     except (TypeError, ValueError) as exc:
         _error("replay", str(exc))
@@ -237,7 +240,8 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     print(pred.table(top=ns.top))
     if recorded and "recorded_peak_reserved" in trace.meta:
         print()
-        print(f"recorded on the GPU: peak allocated {vt.format_size(trace.meta.get('recorded_peak_allocated', 0))}, "
+        where = trace.meta.get("recorded_on") or "the GPU"
+        print(f"recorded on {where}: peak allocated {vt.format_size(trace.meta.get('recorded_peak_allocated', 0))}, "
               f"peak reserved {vt.format_size(trace.meta['recorded_peak_reserved'])}")
     page = _write_html(ns.html, trace, pred, f"vramkit replay: {os.path.basename(ns.trace)} on "
                                               f"{vt.format_size(ns.device_memory)}")

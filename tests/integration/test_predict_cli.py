@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent(f"""
 """)
 
 
-def vramkit(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def vramkit_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "vramkit", *args], cwd=cwd, env=subprocess_env(),
                           capture_output=True, text=True, timeout=300, check=False)
 
@@ -46,7 +46,7 @@ def test_fit_finds_the_largest_batch_and_writes_the_timeline(tmp_path, script):
     sys.path.insert(0, str(TESTS))
     from trace_models import GPTConfig, gpt_builder
 
-    proc = vramkit("fit", "train.py", "--device-memory", "160MiB", "--cuda-context-mib", "0",
+    proc = vramkit_cli("fit", "train.py", "--device-memory", "160MiB", "--cuda-context-mib", "0",
                    "--cublas-workspace-mib", "0", "--trace", "best.vktrace", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     first = proc.stdout.splitlines()[0]
@@ -64,7 +64,7 @@ def test_fit_finds_the_largest_batch_and_writes_the_timeline(tmp_path, script):
 
 
 def test_fit_of_a_batch_that_does_not_fit_exits_3_with_the_verdict_first(tmp_path, script):
-    proc = vramkit("fit", "train.py", "--device-memory", "672MiB", "--batch-size", "64", "--no-search",
+    proc = vramkit_cli("fit", "train.py", "--device-memory", "672MiB", "--batch-size", "64", "--no-search",
                    "--entry", "other_name", cwd=tmp_path)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert proc.stdout.startswith("batch size 64: OOM at "), proc.stdout
@@ -84,7 +84,7 @@ def test_fit_bad_input(tmp_path, script, args, status, message):
     (tmp_path / "broken.py").write_text("def vramkit_step(batch_size):\n    def build():\n"
                                         "        raise ValueError('bad shape')\n    return build()\n")
     (tmp_path / "raises_on_load.py").write_text("import no_such_module_here\n")
-    proc = vramkit("fit", *args, cwd=tmp_path)
+    proc = vramkit_cli("fit", *args, cwd=tmp_path)
     assert proc.returncode == status, proc.stdout + proc.stderr
     assert message in proc.stderr, proc.stderr
     assert not (tmp_path / "vramkit-predict.html").exists()
@@ -99,13 +99,55 @@ def test_replay_of_a_saved_trace(tmp_path, script):
     t = vt.capture(gpt_builder(GPTConfig()), 2, steps=2)
     t.save(tmp_path / "t.vktrace")
     expected = vt.replay(t, "1GiB")
-    proc = vramkit("replay", "t.vktrace", "--device-memory", "1GiB", cwd=tmp_path)
+    proc = vramkit_cli("replay", "t.vktrace", "--device-memory", "1GiB", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0] == expected.verdict()
-    proc = vramkit("replay", "t.vktrace", "--device-memory", "600MiB", "--cuda-context-mib", "599", cwd=tmp_path)
+    proc = vramkit_cli("replay", "t.vktrace", "--device-memory", "600MiB", "--cuda-context-mib", "599", cwd=tmp_path)
     assert proc.returncode == 3 and proc.stdout.startswith("OOM at "), proc.stdout + proc.stderr
     (tmp_path / "cut.vktrace").write_bytes((tmp_path / "t.vktrace").read_bytes()[:-10])
-    proc = vramkit("replay", "cut.vktrace", "--device-memory", "1GiB", cwd=tmp_path)
+    proc = vramkit_cli("replay", "cut.vktrace", "--device-memory", "1GiB", cwd=tmp_path)
     assert proc.returncode == 2 and "truncated" in proc.stderr
-    proc = vramkit("replay", "nothing.vktrace", "--device-memory", "1GiB", cwd=tmp_path)
+    proc = vramkit_cli("replay", "nothing.vktrace", "--device-memory", "1GiB", cwd=tmp_path)
     assert proc.returncode == 2 and "not found" in proc.stderr
+
+
+def test_replay_of_a_recorded_snapshot_reproduces_its_figures(tmp_path):
+    """A run recorded by vramkit on a simulated device (same pickle format as
+    torch.cuda.memory._dump_snapshot) replays with the recorded peaks and final totals."""
+    import random
+
+    import vramkit
+
+    dev = vramkit.sim.create(4 << 30)
+    vramkit.record_memory_history(True, device=dev)
+    rng = random.Random(7)
+    live = []
+    try:
+        for _ in range(2000):
+            if live and rng.random() < 0.45:
+                vramkit.raw_free(live.pop(rng.randrange(len(live))))
+            else:
+                live.append(vramkit.raw_alloc(rng.choice([100, 4096, 700_000, 3 << 20, 12 << 20, 40 << 20]), dev))
+        vramkit.dump_snapshot(str(tmp_path / "run.pickle"), device=dev)
+        peak_alloc, peak_res = vramkit.max_memory_allocated(dev), vramkit.max_memory_reserved(dev)
+        final_alloc, final_res = vramkit.memory_allocated(dev), vramkit.memory_reserved(dev)
+    finally:
+        for p in live:
+            vramkit.raw_free(p)
+        vramkit.record_memory_history(False, device=dev)
+        vramkit.empty_cache(dev)
+    from vramkit import trace as vt
+
+    t = vt.load(tmp_path / "run.pickle")
+    assert t.meta["recorded_peak_reserved"] == peak_res and t.meta["recorded_reserved"] == final_res
+    pred = vt.replay(t, 4 << 30, overheads=vt.NO_OVERHEADS)
+    assert (pred.peak_allocated, pred.peak_reserved) == (peak_alloc, peak_res)
+    proc = vramkit_cli("replay", "run.pickle", "--device-memory", "4GiB", "--cuda-context-mib", "0",
+                       "--cublas-workspace-mib", "0", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == pred.verdict()
+    assert f"recorded on {dev}: " in proc.stdout
+    small = vramkit_cli("replay", "run.pickle", "--device-memory", "256MiB", "--cuda-context-mib", "0",
+                        "--cublas-workspace-mib", "0", cwd=tmp_path)
+    assert small.returncode == (0 if peak_alloc <= 256 << 20 and vt.replay(t, 256 << 20, overheads=vt.NO_OVERHEADS).fits
+                                else 3)
