@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from .cli import _positive_int
+from .cli import _non_negative_int, _positive_int
 
 __all__ = ["add_commands", "cmd_fit", "cmd_replay"]
 
@@ -60,7 +60,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="cuBLAS workspace allocated at the first matmul (default 32; 0 for a recorded GPU trace)")
     p.add_argument("--html", default="vramkit-predict.html", metavar="PATH",
                    help="where to write the HTML timeline of the replay (default: %(default)s)")
-    p.add_argument("--top", type=int, default=5, metavar="N", help="modules listed at the peak (default: %(default)s)")
+    p.add_argument("--top", type=_non_negative_int, default=5, metavar="N",
+                   help="modules listed at the peak (default: %(default)s)")
 
 
 def add_commands(commands: Any) -> None:
