@@ -49,15 +49,17 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
-def _builder(dtype: torch.dtype = torch.float32, checkpointed: bool = False):
+def _builder(dtype: torch.dtype = torch.float32, checkpointed: bool = False, amp: bool = False):
     def build(batch_size: int):
         model = GPT(checkpointed).to(dtype)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
         idx = torch.randint(0, VOCAB, (batch_size, SEQ))
 
         def step() -> None:
-            logits = model(idx)
-            loss = F.cross_entropy(logits.view(-1, VOCAB).float(), idx.view(-1))
+            # Mixed precision as PyTorch's AMP recipe writes it; vramkit emulates it on meta.
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+                logits = model(idx)
+                loss = F.cross_entropy(logits.view(-1, VOCAB).float(), idx.view(-1))
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -68,6 +70,7 @@ def _builder(dtype: torch.dtype = torch.float32, checkpointed: bool = False):
 
 
 vramkit_step = _builder()                                   # float32 weights, AdamW
+vramkit_step_amp = _builder(amp=True)                       # torch.autocast bf16 forward, float32 weights
 vramkit_step_bf16 = _builder(torch.bfloat16)                 # bfloat16 weights, gradients and AdamW state
 vramkit_step_checkpointed = _builder(checkpointed=True)      # every block recomputed in the backward
 vramkit_step_bf16_checkpointed = _builder(torch.bfloat16, checkpointed=True)

@@ -3,6 +3,7 @@ builders in the form vramkit.trace.capture and fit take (build(batch_size) -> st
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -88,7 +89,14 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def gpt_builder(cfg: GPTConfig, lr: float = 1e-3):
+def _amp(device_type: str | None):
+    """The autocast region of a mixed-precision step (bfloat16), or none."""
+    if device_type is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.bfloat16)
+
+
+def gpt_builder(cfg: GPTConfig, lr: float = 1e-3, amp: str | None = None, amp_loss: bool = True):
     def build(batch_size: int):
         torch.manual_seed(0)
         model = GPT(cfg)
@@ -97,8 +105,12 @@ def gpt_builder(cfg: GPTConfig, lr: float = 1e-3):
         tgt = torch.randint(0, cfg.vocab, (batch_size, cfg.seq))
 
         def step():
-            logits = model(idx)
-            loss = F.cross_entropy(logits.view(-1, cfg.vocab), tgt.view(-1))
+            with _amp(amp):
+                logits = model(idx)
+                if amp_loss:  # the loss inside the autocast region, as PyTorch's AMP recipe has it
+                    loss = F.cross_entropy(logits.view(-1, cfg.vocab), tgt.view(-1))
+            if not amp_loss:
+                loss = F.cross_entropy(logits.view(-1, cfg.vocab), tgt.view(-1))
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -144,7 +156,8 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
-def resnet_builder(widths=(16, 32, 64), blocks=(1, 1, 1), image: int = 32, classes: int = 10):
+def resnet_builder(widths=(16, 32, 64), blocks=(1, 1, 1), image: int = 32, classes: int = 10,
+                   amp: str | None = None):
     def build(batch_size: int):
         torch.manual_seed(0)
         model = ResNet(widths, blocks, classes)
@@ -153,7 +166,8 @@ def resnet_builder(widths=(16, 32, 64), blocks=(1, 1, 1), image: int = 32, class
         y = torch.randint(0, classes, (batch_size,))
 
         def step():
-            loss = F.cross_entropy(model(x), y)
+            with _amp(amp):
+                loss = F.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -21,6 +21,7 @@ input.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from typing import Any, Callable
@@ -33,6 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ._trace_autocast import emulate_autocast
 from ._trace_format import ALLOC, CATEGORIES, FREE, PHASE, PHASES, STEP, Trace
 
 __all__ = ["CaptureError", "capture"]
@@ -85,6 +87,9 @@ class _Recorder:
         self.in_optimizer = 0
         self.lock = threading.RLock()
         self.checkpoint_blocks = False
+        self.autocast: torch.dtype | None = None  # capture(autocast=...): the forward's autocast dtype
+        self.autocast_device = "cuda"
+        self.region: Any = None
         self.checkpointed: list[nn.Module] = []
         self.checkpointed_path = ""
 
@@ -262,6 +267,10 @@ def _install_hooks(rec: _Recorder) -> list:
                 _add_root(rec, module)
             if rec.phase in (_OTHER, -1) and rec.step >= 0:
                 rec.phase = _FORWARD
+            if rec.autocast is not None and rec.region is None and torch._C._current_graph_task_id() == -1:
+                # capture(autocast=...): the model's forward runs in an autocast region.
+                rec.region = torch.autocast(rec.autocast_device, dtype=rec.autocast)
+                rec.region.__enter__()
         path = rec.names.get(id(module))
         if path is None:
             parent = rec.module_stack[-1] if rec.module_stack else ""
@@ -273,6 +282,9 @@ def _install_hooks(rec: _Recorder) -> list:
             path = rec.module_stack.pop()
             if torch.is_grad_enabled():
                 _label_graph(output, path or type(module).__name__)
+        if not rec.module_stack and rec.region is not None:
+            region, rec.region = rec.region, None
+            region.__exit__(None, None, None)
 
     def opt_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
         if not any(r() is optimizer for r in rec.optimizers):
@@ -497,7 +509,8 @@ def _as_device(device: Any) -> torch.device:
 
 
 def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps: int = 1,
-            meta: dict | None = None, checkpoint_blocks: bool = False, **kwargs: Any) -> Trace:
+            meta: dict | None = None, checkpoint_blocks: bool = False, autocast: Any = None,
+            **kwargs: Any) -> Trace:
     """Run `steps` training steps and return their allocation trace.
 
     Two forms:
@@ -516,7 +529,11 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
     storage allocation and free is recorded in order with its size, dtype, module path, op
     and phase. With `checkpoint_blocks`, the model's repeated blocks (``repeated_blocks``) run
     under ``torch.utils.checkpoint`` for this capture, to see what checkpointing every block
-    would save. Raises ``CaptureError`` (with the step's exception as cause) if the step raises;
+    would save. With `autocast` (``torch.bfloat16`` or ``torch.float16``), the model's forward
+    runs under ``torch.autocast("cuda", dtype=autocast)`` (on cpu: ``"cpu"``), as mixed-precision
+    training does. On meta, ``torch.autocast`` regions (these and the step's own) are emulated
+    with autocast's CUDA or CPU op lists (``_trace_autocast``), since torch has no meta autocast.
+    Raises ``CaptureError`` (with the step's exception as cause) if the step raises;
     nothing is returned then.
     """
     if not callable(step_fn):
@@ -524,16 +541,20 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     dev = _as_device(device)
+    if autocast is not None and autocast not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"autocast must be torch.bfloat16, torch.float16 or None, got {autocast!r}")
     _check_devices((args, kwargs), dev)
     if not _ACTIVE.acquire(blocking=False):
         raise RuntimeError("another vramkit.trace.capture is running in this process; captures cannot nest")
     rec = _Recorder(dev)
     rec.checkpoint_blocks = bool(checkpoint_blocks)
+    rec.autocast, rec.autocast_device = autocast, ("cuda" if dev.type == "meta" else "cpu")
     hooks = _install_hooks(rec)
     attention = _register_fused_attention()
     info = dict(meta or {})
     try:
-        with torch.device(dev):
+        emulation = emulate_autocast() if dev.type == "meta" else contextlib.nullcontext()
+        with torch.device(dev), emulation:
             _tag_args(rec, (args, kwargs))
             with _CaptureMode(rec):
                 _begin_step(rec)
@@ -557,6 +578,8 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
                     torch_version=torch.__version__)
         if checkpoint_blocks:
             info["checkpointed_blocks"] = rec.checkpointed_path
+        if autocast is not None:
+            info["autocast"] = str(autocast).replace("torch.", "")
         return _to_trace(rec, info)
     finally:
         for h in hooks:

@@ -90,10 +90,10 @@ class FitReport:
 
 
 def _probe(build: Callable[..., Any], batch_size: int, cap: int, steps: int, alloc_conf: Any,
-           overheads: GpuOverheads | None, checkpoint_blocks: bool = False) -> Probe:
+           overheads: GpuOverheads | None, checkpoint_blocks: bool = False, autocast: Any = None) -> Probe:
     t0 = time.perf_counter()
     trace = capture(build, batch_size, device="meta", steps=steps, meta={"batch_size": batch_size},
-                    checkpoint_blocks=checkpoint_blocks)
+                    checkpoint_blocks=checkpoint_blocks, autocast=autocast)
     pred = replay(trace, cap, alloc_conf, overheads=overheads)
     pred.checkpointed_blocks = trace.meta.get("checkpointed_blocks", "")
     return Probe(batch_size, pred, time.perf_counter() - t0)
@@ -111,10 +111,11 @@ def fit(build: Callable[..., Any], capacity: Any = "24GiB", *, batch_size: int |
     created in the first step's ``optimizer.step()``, so the second step is the steady state).
 
     With `search`, the largest batch size up to `max_batch_size` that fits is found. With
-    `batch_size`, that size is predicted and, if it does not fit, allocator options (when the
-    live bytes would fit), gradient accumulation (micro-batches that divide it) and activation
-    checkpointing of the model's repeated blocks (alone, then with accumulation) are tried; each
-    suggestion carries its predicted peak and its cost. `progress` receives a line per probe.
+    `batch_size`, that size is predicted and, if it does not fit, the cheapest changes that make
+    it fit are searched: allocator options (when the live bytes would fit), then each of bf16
+    autocast around the model's forward, gradient accumulation (micro-batches that divide it)
+    and activation checkpointing of the model's repeated blocks, then pairs of them, then all
+    three. Each suggestion carries its predicted peak and its cost. `progress` receives a line per probe.
     """
     if not callable(build):
         raise TypeError(f"build must be callable (batch_size -> step function), got {type(build).__name__}")
@@ -125,16 +126,16 @@ def fit(build: Callable[..., Any], capacity: Any = "24GiB", *, batch_size: int |
     if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
         raise ValueError(f"batch_size must be an integer >= 1 or None, got {batch_size!r}")
     say = progress or (lambda line: None)
-    cache: dict[tuple[int, str, bool], Probe] = {}
+    cache: dict[tuple[int, str, bool, str], Probe] = {}
 
-    def probe(bs: int, conf: Any = alloc_conf, checkpoint_blocks: bool = False) -> Probe:
-        key = (bs, str(conf), checkpoint_blocks)
+    def probe(bs: int, conf: Any = alloc_conf, checkpoint_blocks: bool = False, autocast: Any = None) -> Probe:
+        key = (bs, str(conf), checkpoint_blocks, str(autocast))
         if key not in cache:
-            p = _probe(build, bs, cap, steps, conf, overheads, checkpoint_blocks)
+            p = _probe(build, bs, cap, steps, conf, overheads, checkpoint_blocks, autocast)
             cache[key] = p
             verdict = f"fits, peak reserved {format_size(p.prediction.peak_reserved)}" if p.fits else "OOM"
-            how = (f" with {conf}" if conf != alloc_conf else "") + (" checkpointing every block" if checkpoint_blocks
-                                                                   else "")
+            how = ((f" with {conf}" if conf != alloc_conf else "") + (" with bf16 autocast" if autocast else "")
+                   + (" checkpointing every block" if checkpoint_blocks else ""))
             say(f"batch size {bs}{how}: {verdict} ({p.seconds:.1f} s)")
         return cache[key]
 
@@ -146,8 +147,8 @@ def fit(build: Callable[..., Any], capacity: Any = "24GiB", *, batch_size: int |
                                                                 report.target)
     if report.target is not None and not report.target.fits:
         report.suggestions = _suggest(probe, batch_size, report.target, alloc_conf)
-    report.probes = [p for (bs, conf, ckpt), p in sorted(cache.items(), key=lambda kv: kv[0][0])
-                     if conf == str(alloc_conf) and not ckpt]
+    report.probes = [p for (bs, conf, ckpt, amp), p in sorted(cache.items(), key=lambda kv: kv[0][0])
+                     if conf == str(alloc_conf) and not ckpt and amp == "None"]
     return report
 
 
@@ -182,6 +183,8 @@ _ALLOCATOR_OPTIONS = ("max_split_size_mb:512", "max_split_size_mb:128", "garbage
 
 
 def _suggest(probe: Callable[..., Probe], target: int, pred: Prediction, alloc_conf: Any) -> list[Suggestion]:
+    """The cheapest changes that make `target` fit: every single change that does, else every
+    pair, else all three (allocator options are tried alone, when only fragmentation fails)."""
     out: list[Suggestion] = []
     # Fragmentation: the live bytes would fit but the reserved segments do not.
     if pred.oom and pred.oom.get("allocated", 0) + pred.oom.get("size", 0) <= pred.usable:
@@ -192,37 +195,65 @@ def _suggest(probe: Callable[..., Probe], target: int, pred: Prediction, alloc_c
                 out.append(Suggestion(f"PYTORCH_CUDA_ALLOC_CONF={conf}", {"alloc_conf": conf}, p.prediction,
                                       "none in memory; the allocator splits or frees cached blocks more often"))
                 break
-    # Gradient accumulation: the same effective batch in k micro-batches.
-    for k in range(2, target + 1):
-        if target % k:
+    blocks = probe(target, alloc_conf, True).prediction.checkpointed_blocks
+    found: dict[frozenset, int] = {}  # techniques (without accumulation) -> micro-batches needed
+    for combo in [("amp",), ("accumulate",), ("checkpoint",), ("amp", "accumulate"), ("amp", "checkpoint"),
+                  ("checkpoint", "accumulate"), ("amp", "checkpoint", "accumulate")]:
+        if "checkpoint" in combo and not blocks:
+            continue  # no stack of repeated blocks to checkpoint
+        techniques = frozenset(c for c in combo if c != "accumulate")
+        # A combination is worth reporting only if every smaller one needs more micro-batches.
+        if any(t <= techniques and t != techniques for t in found if found[t] == 1):
             continue
-        micro = target // k
-        p = probe(micro)
-        if p.fits:
-            out.append(Suggestion(f"gradient accumulation: {k} micro-batches of {micro}",
-                                  {"micro_batch_size": micro, "accumulation_steps": k}, p.prediction,
-                                  f"{k} forward/backward passes per optimizer step (same samples, smaller kernels; "
-                                  "gradients stay allocated between micro-batches, as in this step)"))
-            break
-    # Activation checkpointing of the repeated blocks, alone, then with accumulation.
-    p = probe(target, alloc_conf, True)
-    where = p.prediction.checkpointed_blocks
-    if where:
-        cost = (f"the backward recomputes each block's forward: one more forward pass of {where} per step "
-                "(torch.utils.checkpoint(block, x, use_reentrant=False) around each)")
-        if p.fits:
-            out.append(Suggestion(f"activation checkpointing of every block in {where}",
-                                  {"checkpoint_blocks": where}, p.prediction, cost))
-        else:
-            for k in range(2, target + 1):
-                if target % k:
-                    continue
-                q = probe(target // k, alloc_conf, True)
-                if q.fits:
-                    out.append(Suggestion(f"activation checkpointing of every block in {where}, with gradient "
-                                          f"accumulation: {k} micro-batches of {target // k}",
-                                          {"checkpoint_blocks": where, "micro_batch_size": target // k,
-                                           "accumulation_steps": k}, q.prediction,
-                                          cost + f", and {k} passes per optimizer step"))
-                    break
+        s = _try(probe, target, alloc_conf, combo, blocks)
+        if s is None:
+            continue
+        k = s.settings.get("accumulation_steps", 1)
+        if any(t <= techniques and found[t] <= k for t in found):
+            continue
+        found[techniques] = k
+        out.append(s)
     return out
+
+
+_AMP_COST = ("the forward under torch.autocast(\"cuda\", dtype=torch.bfloat16) (float16 takes the same memory and "
+             "needs a GradScaler); weights, gradients and optimizer state stay float32; usually faster on tensor cores")
+
+
+def _try(probe: Callable[..., Probe], target: int, alloc_conf: Any, combo: tuple[str, ...],
+         blocks: str) -> Suggestion | None:
+    """Probe one combination; with "accumulate", the fewest micro-batches (dividing the target)
+    that fit."""
+    amp = torch_bf16() if "amp" in combo else None
+    ckpt = "checkpoint" in combo
+    if "accumulate" in combo:
+        sizes = [(target // k, k) for k in range(2, target + 1) if target % k == 0]
+    else:
+        sizes = [(target, 1)]
+    for micro, k in sizes:
+        p = probe(micro, alloc_conf, ckpt, amp)
+        if not p.fits:
+            continue
+        parts, costs, settings = [], [], {}
+        if amp is not None:
+            parts.append("bf16 autocast")
+            costs.append(_AMP_COST)
+            settings["autocast"] = "bfloat16"
+        if ckpt:
+            parts.append(f"activation checkpointing of every block in {blocks}")
+            costs.append(f"the backward recomputes each block's forward: one more forward pass of {blocks} per step "
+                         "(torch.utils.checkpoint(block, x, use_reentrant=False) around each)")
+            settings["checkpoint_blocks"] = blocks
+        if k > 1:
+            parts.append(f"gradient accumulation: {k} micro-batches of {micro}")
+            costs.append(f"{k} forward/backward passes per optimizer step (same samples, smaller kernels; gradients "
+                         "stay allocated between micro-batches, as in this step)")
+            settings.update(micro_batch_size=micro, accumulation_steps=k)
+        return Suggestion(" + ".join(parts), settings, p.prediction, "; ".join(costs))
+    return None
+
+
+def torch_bf16() -> Any:
+    import torch
+
+    return torch.bfloat16

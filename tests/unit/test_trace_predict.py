@@ -191,3 +191,19 @@ def test_fit_suggests_checkpointing_when_it_is_what_makes_the_batch_fit():
     ck = [s for s in report.suggestions if s.settings.get("checkpoint_blocks") and "accumulation_steps" not in s.settings]
     assert ck and ck[0].prediction.peak_reserved == ckpt.peak_reserved, report.table()
     assert "one more forward pass of layers (4 x Block)" in ck[0].cost
+
+
+def test_fit_suggests_bf16_autocast_when_it_is_enough():
+    cfg = GPTConfig(layers=2, seq=256, dim=128)
+    build = gpt_builder(cfg)
+    plain = vt.replay(vt.capture(build, 16, steps=2), "8GiB", overheads=vt.NO_OVERHEADS)
+    amp = vt.replay(vt.capture(build, 16, steps=2, autocast=torch.bfloat16), "8GiB", overheads=vt.NO_OVERHEADS)
+    assert amp.peak_reserved < plain.peak_reserved
+    cap = (plain.peak_reserved + amp.peak_reserved) // 2
+    report = vt.fit(build, cap, batch_size=16, overheads=vt.NO_OVERHEADS, search=False)
+    first = report.suggestions[0]
+    assert first.settings == {"autocast": "bfloat16"}, report.table()
+    assert first.prediction.peak_reserved == amp.peak_reserved
+    assert 'torch.autocast("cuda", dtype=torch.bfloat16)' in first.cost
+    # Nothing that includes autocast with more changes is listed: autocast alone is enough.
+    assert not any("autocast" in s.settings and len(s.settings) > 1 for s in report.suggestions)
