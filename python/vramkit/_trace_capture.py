@@ -86,7 +86,8 @@ class _Recorder:
         self.optimizers: list[weakref.ref] = []
         self.in_optimizer = 0
         self.lock = threading.RLock()
-        self.checkpoint_blocks = False
+        self.checkpoint_blocks: bool | int = False  # True: every repeated block; k: the first k
+        self.checkpoint_total = self.checkpointed_count = 0
         self.autocast: torch.dtype | None = None  # capture(autocast=...): the forward's autocast dtype
         self.autocast_device = "cuda"
         self.region: Any = None
@@ -358,15 +359,19 @@ def repeated_blocks(root: nn.Module) -> tuple[str, list[nn.Module]] | None:
 
 
 def _checkpoint_repeated_blocks(rec: _Recorder, root: nn.Module) -> None:
-    """Wrap each repeated block's forward in torch.utils.checkpoint (non-reentrant), for this
-    capture only: what ``fit`` predicts for "checkpoint every block"."""
+    """Wrap the repeated blocks' forwards in torch.utils.checkpoint (non-reentrant), for this
+    capture only: all of them, or the first k. The first ones: their recomputation comes at
+    the end of the backward, when most saved activations are already freed, whereas the last
+    block is recomputed at the start, when everything is still live."""
     from torch.utils.checkpoint import checkpoint
 
     found = repeated_blocks(root)
     if found is None:
         return
     name, blocks = found
-    for block in blocks:
+    count = len(blocks) if rec.checkpoint_blocks is True else min(int(rec.checkpoint_blocks), len(blocks))
+    rec.checkpoint_total = len(blocks)
+    for block in blocks[:count]:
         original = block.forward
 
         def wrapped(*args: Any, _f: Any = original, **kwargs: Any) -> Any:
@@ -375,6 +380,7 @@ def _checkpoint_repeated_blocks(rec: _Recorder, root: nn.Module) -> None:
         block.forward = wrapped
         rec.checkpointed.append(block)
     rec.checkpointed_path = f"{name} ({len(blocks)} x {type(blocks[0]).__name__})"
+    rec.checkpointed_count = count
 
 
 def _restore_blocks(rec: _Recorder) -> None:
@@ -509,7 +515,7 @@ def _as_device(device: Any) -> torch.device:
 
 
 def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps: int = 1,
-            meta: dict | None = None, checkpoint_blocks: bool = False, autocast: Any = None,
+            meta: dict | None = None, checkpoint_blocks: bool | int = False, autocast: Any = None,
             **kwargs: Any) -> Trace:
     """Run `steps` training steps and return their allocation trace.
 
@@ -527,9 +533,9 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
 
     On ``meta`` nothing is allocated; on ``cpu`` the step really runs. Either way every
     storage allocation and free is recorded in order with its size, dtype, module path, op
-    and phase. With `checkpoint_blocks`, the model's repeated blocks (``repeated_blocks``) run
-    under ``torch.utils.checkpoint`` for this capture, to see what checkpointing every block
-    would save. With `autocast` (``torch.bfloat16`` or ``torch.float16``), the model's forward
+    and phase. With `checkpoint_blocks` (True, or a number k), the model's repeated blocks
+    (``repeated_blocks``; all, or the first k) run under ``torch.utils.checkpoint`` for this
+    capture, to see what checkpointing them would save. With `autocast` (``torch.bfloat16`` or ``torch.float16``), the model's forward
     runs under ``torch.autocast("cuda", dtype=autocast)`` (on cpu: ``"cpu"``), as mixed-precision
     training does. On meta, ``torch.autocast`` regions (these and the step's own) are emulated
     with autocast's CUDA or CPU op lists (``_trace_autocast``), since torch has no meta autocast.
@@ -541,13 +547,15 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     dev = _as_device(device)
+    if not isinstance(checkpoint_blocks, (bool, int)) or (checkpoint_blocks is not True and checkpoint_blocks < 0):
+        raise ValueError(f"checkpoint_blocks must be True, False or a number of blocks >= 0, got {checkpoint_blocks!r}")
     if autocast is not None and autocast not in (torch.float16, torch.bfloat16):
         raise ValueError(f"autocast must be torch.bfloat16, torch.float16 or None, got {autocast!r}")
     _check_devices((args, kwargs), dev)
     if not _ACTIVE.acquire(blocking=False):
         raise RuntimeError("another vramkit.trace.capture is running in this process; captures cannot nest")
     rec = _Recorder(dev)
-    rec.checkpoint_blocks = bool(checkpoint_blocks)
+    rec.checkpoint_blocks = checkpoint_blocks
     rec.autocast, rec.autocast_device = autocast, ("cuda" if dev.type == "meta" else "cpu")
     hooks = _install_hooks(rec)
     attention = _register_fused_attention()
@@ -578,6 +586,7 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
                     torch_version=torch.__version__)
         if checkpoint_blocks:
             info["checkpointed_blocks"] = rec.checkpointed_path
+            info["checkpointed_count"] = rec.checkpointed_count
         if autocast is not None:
             info["autocast"] = str(autocast).replace("torch.", "")
         return _to_trace(rec, info)

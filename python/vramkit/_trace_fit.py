@@ -96,6 +96,7 @@ def _probe(build: Callable[..., Any], batch_size: int, cap: int, steps: int, all
                     checkpoint_blocks=checkpoint_blocks, autocast=autocast)
     pred = replay(trace, cap, alloc_conf, overheads=overheads)
     pred.checkpointed_blocks = trace.meta.get("checkpointed_blocks", "")
+    pred.checkpointed_count = int(trace.meta.get("checkpointed_count", 0))
     return Probe(batch_size, pred, time.perf_counter() - t0)
 
 
@@ -126,16 +127,17 @@ def fit(build: Callable[..., Any], capacity: Any = "24GiB", *, batch_size: int |
     if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
         raise ValueError(f"batch_size must be an integer >= 1 or None, got {batch_size!r}")
     say = progress or (lambda line: None)
-    cache: dict[tuple[int, str, bool, str], Probe] = {}
+    cache: dict[tuple[int, str, str, str], Probe] = {}
 
-    def probe(bs: int, conf: Any = alloc_conf, checkpoint_blocks: bool = False, autocast: Any = None) -> Probe:
-        key = (bs, str(conf), checkpoint_blocks, str(autocast))
+    def probe(bs: int, conf: Any = alloc_conf, checkpoint_blocks: bool | int = False, autocast: Any = None) -> Probe:
+        key = (bs, str(conf), str(checkpoint_blocks), str(autocast))
         if key not in cache:
             p = _probe(build, bs, cap, steps, conf, overheads, checkpoint_blocks, autocast)
             cache[key] = p
             verdict = f"fits, peak reserved {format_size(p.prediction.peak_reserved)}" if p.fits else "OOM"
             how = ((f" with {conf}" if conf != alloc_conf else "") + (" with bf16 autocast" if autocast else "")
-                   + (" checkpointing every block" if checkpoint_blocks else ""))
+                   + ("" if not checkpoint_blocks else " checkpointing every block" if checkpoint_blocks is True
+                      else f" checkpointing {checkpoint_blocks} blocks"))
             say(f"batch size {bs}{how}: {verdict} ({p.seconds:.1f} s)")
         return cache[key]
 
@@ -148,7 +150,7 @@ def fit(build: Callable[..., Any], capacity: Any = "24GiB", *, batch_size: int |
     if report.target is not None and not report.target.fits:
         report.suggestions = _suggest(probe, batch_size, report.target, alloc_conf)
     report.probes = [p for (bs, conf, ckpt, amp), p in sorted(cache.items(), key=lambda kv: kv[0][0])
-                     if conf == str(alloc_conf) and not ckpt and amp == "None"]
+                     if conf == str(alloc_conf) and ckpt == "False" and amp == "None"]
     return report
 
 
@@ -234,16 +236,31 @@ def _try(probe: Callable[..., Probe], target: int, alloc_conf: Any, combo: tuple
         p = probe(micro, alloc_conf, ckpt, amp)
         if not p.fits:
             continue
+        count = total = p.prediction.checkpointed_count
+        if ckpt and k == 1:
+            # The fewest blocks that suffice, first ones first: fewer recomputed forwards.
+            lo, hi = 0, total  # checkpointing lo blocks does not fit (0: nothing known), hi does
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                q = probe(micro, alloc_conf, mid, amp)
+                if q.fits:
+                    hi, p = mid, q
+                else:
+                    lo = mid
+            count = hi
         parts, costs, settings = [], [], {}
         if amp is not None:
             parts.append("bf16 autocast")
             costs.append(_AMP_COST)
             settings["autocast"] = "bfloat16"
         if ckpt:
-            parts.append(f"activation checkpointing of every block in {blocks}")
-            costs.append(f"the backward recomputes each block's forward: one more forward pass of {blocks} per step "
+            which = "every block" if count == total else f"the first {count} of the {total} blocks"
+            parts.append(f"activation checkpointing of {which} in {blocks}")
+            costs.append(f"the backward recomputes those blocks' forwards: {count} block forward(s) more per step, "
+                         f"{count / total:.0%} of a forward pass of {blocks} "
                          "(torch.utils.checkpoint(block, x, use_reentrant=False) around each)")
             settings["checkpoint_blocks"] = blocks
+            settings["checkpointed_count"] = count
         if k > 1:
             parts.append(f"gradient accumulation: {k} micro-batches of {micro}")
             costs.append(f"{k} forward/backward passes per optimizer step (same samples, smaller kernels; gradients "

@@ -136,6 +136,7 @@ class Prediction:
     source: str = ""
     curves: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     checkpointed_blocks: str = ""  # set by fit for a capture with checkpoint_blocks
+    checkpointed_count: int = 0
 
     @property
     def fragmentation(self) -> float:

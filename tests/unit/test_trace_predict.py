@@ -183,14 +183,24 @@ def test_checkpoint_blocks_equals_a_model_that_checkpoints_itself():
 def test_fit_suggests_checkpointing_when_it_is_what_makes_the_batch_fit():
     cfg = GPTConfig(layers=4, seq=256, dim=128)
     build = gpt_builder(cfg)
-    plain = vt.replay(vt.capture(build, 16, steps=2), "8GiB", overheads=vt.NO_OVERHEADS)
-    ckpt = vt.replay(vt.capture(build, 16, steps=2, checkpoint_blocks=True), "8GiB", overheads=vt.NO_OVERHEADS)
-    cap = (plain.peak_reserved + ckpt.peak_reserved) // 2  # between the two: only checkpointing fits
+
+    def peak(**kw):
+        return vt.replay(vt.capture(build, 16, steps=2, **kw), "8GiB", overheads=vt.NO_OVERHEADS).peak_reserved
+
+    plain, every = peak(), peak(checkpoint_blocks=True)
+    cap = (plain + every) // 2  # between the two: some checkpointing fits
     report = vt.fit(build, cap, batch_size=16, overheads=vt.NO_OVERHEADS, search=False)
     assert not report.target.fits
-    ck = [s for s in report.suggestions if s.settings.get("checkpoint_blocks") and "accumulation_steps" not in s.settings]
-    assert ck and ck[0].prediction.peak_reserved == ckpt.peak_reserved, report.table()
-    assert "one more forward pass of layers (4 x Block)" in ck[0].cost
+    ck = [s for s in report.suggestions if s.settings.get("checkpoint_blocks") and "accumulation_steps" not in s.settings
+          and "autocast" not in s.settings]
+    assert ck, report.table()
+    k = ck[0].settings["checkpointed_count"]
+    # The fewest blocks: checkpointing the first k fits, the first k - 1 does not (by exhaustive check).
+    fits = [vt.replay(vt.capture(build, 16, steps=2, checkpoint_blocks=j), cap, overheads=vt.NO_OVERHEADS).fits
+            for j in range(0, 5)]
+    assert fits.index(True) == k
+    assert ck[0].prediction.peak_reserved == peak(checkpoint_blocks=k)
+    assert f"{k} block forward(s) more per step" in ck[0].cost and "layers (4 x Block)" in ck[0].change
 
 
 def test_fit_suggests_bf16_autocast_when_it_is_enough():
