@@ -188,3 +188,49 @@ def test_bad_input_is_refused_and_leaves_no_hooks():
     assert (len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks)) == before
     # And a capture still works afterwards.
     assert vt.capture(MODELS["resnet"], 1, device="meta").num_events > 0
+
+
+def _encoder_builder(dropout: float):
+    def build(batch_size: int):
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=128, batch_first=True,
+                                                 dropout=dropout)
+        model = torch.nn.Sequential(torch.nn.Embedding(100, 64),
+                                    torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False),
+                                    torch.nn.Linear(64, 100))
+        opt = torch.optim.Adam(model.parameters())
+        x = torch.randint(0, 100, (batch_size, 32))
+
+        def step():
+            torch.nn.functional.cross_entropy(model(x).view(-1, 100), x.view(-1)).backward()
+            opt.step()
+            opt.zero_grad()
+
+        return step
+
+    return build
+
+
+def test_torch_transformer_encoder_and_the_one_explained_difference():
+    """nn.TransformerEncoder (nn.MultiheadAttention inside): meta and cpu captures agree
+    without attention dropout. With it, the CPU's scaled_dot_product_attention falls back to
+    the math path (softmax and bmm, an L x L matrix per head), while a GPU's fused kernels
+    take dropout; the meta capture follows the GPU. That is the only difference: every op
+    outside attention allocates the same."""
+    from collections import Counter
+
+    def ops(t):
+        return Counter((t.name_of("ops", int(t.alloc_op[i])), int(t.alloc_size[i])) for i in range(t.num_allocations))
+
+    meta, cpu = (vt.capture(_encoder_builder(0.0), 4, device=d, steps=2) for d in ("meta", "cpu"))
+    for col in COLUMNS:
+        np.testing.assert_array_equal(getattr(meta, col), getattr(cpu, col), err_msg=col)
+    meta, cpu = (vt.capture(_encoder_builder(0.1), 4, device=d, steps=2) for d in ("meta", "cpu"))
+    only_meta, only_cpu = ops(meta) - ops(cpu), ops(cpu) - ops(meta)
+    fused = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+             "aten::clone"}  # clone: the fused backward's contiguous copy of its incoming gradient
+    math = {"aten::_safe_softmax", "aten::_softmax_backward_data", "aten::bmm", "aten::empty_like", "aten::mul"}
+    assert {op for op, _ in only_meta} <= fused, only_meta
+    assert {op for op, _ in only_cpu} <= math, only_cpu
+    assert any(op == "aten::_safe_softmax" for op, _ in only_cpu)  # the L x L attention matrix
+    assert vt.peak_live_bytes(meta) < vt.peak_live_bytes(cpu)
