@@ -222,3 +222,36 @@ def check_no_overlap(refs: Sequence[Ref]) -> None:
 
 def triples(refs: Sequence[Ref]) -> list[tuple[int, int, int]]:
     return [(r.ptr, r.numel, r.dtype) for r in refs]
+
+
+def _np() -> Any:
+    import numpy
+
+    return numpy
+
+
+def is_array(obj: Any) -> bool:
+    """An array of a family vramkit takes (not a list of them)."""
+    return (isinstance(obj, (_np().ndarray, _C.Buffer)) or hasattr(obj, "__dlpack__")
+            or hasattr(obj, "__cuda_array_interface__"))
+
+
+def where(obj: Any) -> tuple[str, str, str]:
+    """(device, family, dtype name) of an array without requiring it to be writable."""
+    if isinstance(obj, _np().ndarray):
+        return "cpu", "numpy", obj.dtype.name
+    module = type(obj).__module__.split(".")[0]
+    if module == "torch":
+        dev = obj.device
+        return ("cpu" if dev.type == "cpu" else f"cuda:{dev.index if dev.index is not None else 0}", "torch",
+                str(obj.dtype).replace("torch.", ""))
+    if hasattr(obj, "__cuda_array_interface__"):
+        index = getattr(getattr(obj, "device", None), "id", 0)
+        return f"cuda:{index if isinstance(index, int) else 0}", module, str(getattr(obj, "dtype", ""))
+    ref = describe(obj, 0, [])
+    return ref.device, ref.family, DTYPE_NAMES[ref.dtype]
+
+
+def describe_mixed(grads: list) -> tuple[list, list]:
+    keep: list = []
+    return [describe(g, i, keep) for i, g in enumerate(grads)], keep

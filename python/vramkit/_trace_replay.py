@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _C
-from ._trace_format import ALLOC, CATEGORIES, FREE, PHASE, PHASES, STEP, Trace
+from ._trace_format import ALLOC, CATEGORIES, FREE, PHASES, STEP, Trace
 
 __all__ = ["GpuOverheads", "Prediction", "format_size", "parse_size", "replay"]
 

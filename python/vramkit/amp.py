@@ -209,7 +209,7 @@ def _grads_of(optimizer_or_grads: Any) -> tuple[Any, list]:
                         f"{type(optimizer_or_grads).__name__}")
     grads = list(optimizer_or_grads)
     # A list is keyed by the memory it covers, so a rebuilt list of the same arrays is "the same optimizer".
-    refs, _ = _describe_mixed(grads)
+    refs, _ = _arrays.describe_mixed(grads)
     return ("grads",) + tuple((r.device, r.ptr, r.numel) for r in refs), grads
 
 
@@ -286,11 +286,11 @@ class GradScaler:
         if isinstance(outputs, (list, tuple)):
             scaled = [self.scale(o) for o in outputs]
             return type(outputs)(scaled) if isinstance(outputs, tuple) else scaled
-        if hasattr(outputs, "__iter__") and not _is_array(outputs):
+        if hasattr(outputs, "__iter__") and not _arrays.is_array(outputs):
             return map(self.scale, outputs)
-        if not _is_array(outputs):
+        if not _arrays.is_array(outputs):
             raise ValueError("outputs must be a Tensor or an iterable of Tensors")
-        device, family, dtype_name = _where(outputs)
+        device, family, dtype_name = _arrays.where(outputs)
         if self._scale is None:
             self._lazy_init(device, family)
         if dtype_name == "bfloat16":
@@ -318,7 +318,7 @@ class GradScaler:
 
     def _unscale_grads(self, grads: list, inv_scale: Any, want_norm: bool) -> tuple[dict, list]:
         """Unscale grouped by device; returns ({device: found_inf}, [(ns, sumsq) per device])."""
-        refs, keep = _describe_mixed(grads)
+        refs, keep = _arrays.describe_mixed(grads)
         by_device: dict = defaultdict(list)
         for r in refs:
             by_device[r.device].append(r)
@@ -569,32 +569,6 @@ def _cuda_usable() -> bool:
         return bool(torch.cuda.is_available())
     except ImportError:
         return False
-
-
-def _is_array(obj: Any) -> bool:
-    return (isinstance(obj, (np.ndarray, _C.Buffer)) or hasattr(obj, "__dlpack__")
-            or hasattr(obj, "__cuda_array_interface__"))
-
-
-def _where(obj: Any) -> tuple[str, str, str]:
-    """(device, family, dtype name) of an array without requiring it to be writable."""
-    if isinstance(obj, np.ndarray):
-        return "cpu", "numpy", obj.dtype.name
-    module = type(obj).__module__.split(".")[0]
-    if module == "torch":
-        dev = obj.device
-        return ("cpu" if dev.type == "cpu" else f"cuda:{dev.index if dev.index is not None else 0}", "torch",
-                str(obj.dtype).replace("torch.", ""))
-    if hasattr(obj, "__cuda_array_interface__"):
-        index = getattr(getattr(obj, "device", None), "id", 0)
-        return f"cuda:{index if isinstance(index, int) else 0}", module, str(getattr(obj, "dtype", ""))
-    ref = _arrays.describe(obj, 0, [])
-    return ref.device, ref.family, _arrays.DTYPE_NAMES[ref.dtype]
-
-
-def _describe_mixed(grads: list) -> tuple[list, list]:
-    keep: list = []
-    return [_arrays.describe(g, i, keep) for i, g in enumerate(grads)], keep
 
 
 def _move(value: Any, src: Any, dst: Any) -> Any:
