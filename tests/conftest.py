@@ -24,6 +24,8 @@ if (os.environ.get("VRAMKIT_TEST_INSTALLED") != "1" and glob.glob(os.path.join(S
 # The allocator model in tests/stress is shared with the CUDA tests.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "stress"))
 
+pytest_plugins = ["pytester"]
+
 import vramkit  # noqa: E402
 
 

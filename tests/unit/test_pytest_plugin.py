@@ -1,0 +1,176 @@
+"""vramkit's pytest plugin (vramkit_pytest, vramkit/pytest_plugin.py), run through pytest's own
+pytester: passing and failing tests, and the failure messages."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture
+def run(pytester, pytestconfig):
+    """Run pytest on a test file, with the plugin loaded as an installed vramkit would load it."""
+    plugin = [] if pytestconfig.pluginmanager.has_plugin("vramkit") else ["-p", "vramkit_pytest"]
+
+    def go(source: str, *args: str):
+        pytester.makepyfile(test_sample=textwrap.dedent(source))
+        return pytester.runpytest(*plugin, "-p", "no:cacheprovider", *args)
+
+    return go
+
+
+def line_of(source: str, text: str) -> int:
+    """1-based line of `text` in the file pytester writes from `source`."""
+    lines = textwrap.dedent(source).strip("\n").splitlines()  # pytester strips blank edge lines
+    return next(i for i, line in enumerate(lines, 1) if text in line)
+
+
+NUMPY_TESTS = """
+    import numpy as np, pytest
+    import vramkit.numpy as vnp
+
+    @pytest.fixture(autouse=True)
+    def handler():
+        vnp.install()
+        yield
+        vnp.uninstall()
+
+    @pytest.mark.vram_limit("64 MiB", device="cpu")
+    def test_small():
+        a = np.ones(1 << 20)              # 8 MiB
+
+    @pytest.mark.vram_limit("64 MiB", device="cpu")
+    def test_big():
+        a = np.ones(1 << 24)              # 128 MiB
+        b = a * 2                         # another 128 MiB
+
+    CACHE = []
+
+    @pytest.mark.vram_no_leak(runs=4, warmup=1)
+    def test_leaky():
+        CACHE.append(np.ones(1 << 18))    # 2 MiB kept per run
+
+    MEMO = {}
+
+    @pytest.mark.vram_no_leak(runs=4, warmup=2)
+    def test_cache_that_plateaus():
+        if len(MEMO) < 2:                  # fills during the warm-up, then stays
+            MEMO[len(MEMO)] = np.ones(1 << 18)
+
+    @pytest.mark.vram_no_leak(runs=3)
+    def test_clean():
+        x = np.ones(1 << 18)
+"""
+
+
+def test_numpy_limits_and_leaks(run):
+    result = run(NUMPY_TESTS)
+    result.assert_outcomes(passed=3, failed=2)
+    out = result.stdout.str()
+    assert "vram_limit(64.00 MiB, device='cpu') exceeded" in out
+    assert "vramkit's cpu pool peaked at 256.00 MiB allocated" in out
+    assert f"128.0 MiB  test_sample.py:{line_of(NUMPY_TESTS, 'a = np.ones(1 << 24)')} in test_big" in out
+    assert f"128.0 MiB  test_sample.py:{line_of(NUMPY_TESTS, 'b = a * 2')} in test_big" in out
+    assert "grew on every one of 4 runs after 1 warm-up runs, by 2.00 MiB per run" in out
+    assert "4.00 MiB -> 6.00 MiB -> 8.00 MiB -> 10.00 MiB" in out
+    assert f"test_sample.py:{line_of(NUMPY_TESTS, 'CACHE.append')} in test_leaky" in out
+    result.stdout.no_fnmatch_line("*test_cache_that_plateaus FAILED*")
+
+
+TORCH_TESTS = """
+    import pytest, torch
+
+    def make(n):
+        return torch.ones(n)
+
+    @pytest.mark.vram_limit("1 MiB")
+    def test_over():
+        a = make(1 << 20)                 # 4 MiB
+        b = a + 1
+
+    @pytest.mark.vram_limit("16 MiB")
+    def test_under():
+        a = make(1 << 20)
+
+    LOSSES = []
+
+    @pytest.mark.vram_no_leak(runs=3)
+    def test_total_loss_keeps_graphs():
+        w = torch.ones(256, 256, requires_grad=True)
+        loss = (torch.ones(64, 256) @ w).sum()
+        LOSSES.append(loss)               # total_loss += loss: every graph stays alive
+
+    @pytest.mark.vram_no_leak(runs=3)
+    def test_item_is_clean():
+        w = torch.ones(256, 256, requires_grad=True)
+        LOSSES.append((torch.ones(64, 256) @ w).sum().item())
+"""
+
+
+def test_torch_limits_and_the_accumulated_loss(run):
+    pytest.importorskip("torch")
+    result = run(TORCH_TESTS)
+    result.assert_outcomes(passed=2, failed=2)
+    out = result.stdout.str()
+    assert "torch tensors on cpu peaked at 8.00 MiB of live storages" in out
+    assert f"4.00 MiB  test_sample.py:{line_of(TORCH_TESTS, 'return torch.ones(n)')} (make)" in out
+    assert f"test_sample.py:{line_of(TORCH_TESTS, 'b = a + 1')} (test_over)" in out
+    assert "torch tensors on cpu (live storages) grew on every one of 3 runs" in out
+    assert f"test_sample.py:{line_of(TORCH_TESTS, 'loss = (torch.ones(64, 256) @ w)')} (test_total_loss_keeps_graphs)" in out
+
+
+def test_vram_sim_fixture(run):
+    result = run("""
+        import pytest, vramkit
+
+        def test_default(vram_sim):
+            assert vram_sim.startswith("sim:") and vramkit.mem_get_info(vram_sim)[1] == 8 << 30
+
+        @pytest.mark.vram_sim("24 GiB")
+        def test_sized(vram_sim):
+            assert vramkit.mem_get_info(vram_sim)[1] == 24 << 30
+
+        def test_fresh(vram_sim):
+            assert vramkit.memory_reserved(vram_sim) == 0
+    """)
+    result.assert_outcomes(passed=3)
+
+
+@pytest.mark.parametrize("marker, message", [
+    ("vram_limit()", "vram_limit needs a limit"),
+    ("vram_limit('24 GB')", "ambiguous"),
+    ("vram_limit('1 MiB', device='nowhere')", "bad device 'nowhere'"),
+    ("vram_no_leak(runs=1)", "runs must be an integer >= 2"),
+])
+def test_bad_markers_are_usage_errors(run, marker, message):
+    result = run(f"""
+        import pytest
+
+        @pytest.mark.{marker}
+        def test_x():
+            pass
+    """)
+    assert result.ret != 0
+    assert message in result.stdout.str() + result.stderr.str()
+
+
+def test_entry_point_is_declared():
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)
+    assert project["project"]["entry-points"]["pytest11"] == {"vramkit": "vramkit_pytest"}
+    assert "vramkit_pytest" in project["tool"]["setuptools"]["py-modules"]
+    # Loading the plugin does not import vramkit (a checkout's conftest picks which one).
+    import subprocess
+
+    code = "import sys, vramkit_pytest; print('vramkit' in sys.modules)"
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(sys.modules["vramkit_pytest"].__file__)
+               if "vramkit_pytest" in sys.modules else os.path.join(REPO, "python"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "False"
