@@ -11,6 +11,16 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# pytester runs pytest in this process and afterwards drops the modules imported since it was
+# set up; torch cannot be imported twice in one process, so it is imported here, at collection.
+try:
+    import torch  # noqa: F401
+except ImportError:
+    pass
+import vramkit.numpy  # noqa: E402,F401  (likewise: the inner runs use them; keep one copy)
+import vramkit.pytest_plugin  # noqa: E402,F401
+import vramkit.sites  # noqa: E402,F401
+
 
 @pytest.fixture
 def run(pytester, pytestconfig):
