@@ -41,7 +41,8 @@ from .memory import (
     set_per_process_memory_fraction,
     synchronize,
 )
-from . import amp, sim
+from . import amp, sim, survive
+from .leaks import watch_leaks
 
 __version__ = _C.__version__
 
@@ -57,7 +58,7 @@ __all__ = [
     "max_memory_reserved", "mem_get_info", "memory_allocated", "memory_reserved", "memory_snapshot", "memory_stats",
     "memory_summary", "pool_check", "raw_alloc", "raw_free", "record_memory_history", "record_stream",
     "reset_accumulated_memory_stats", "reset_peak_memory_stats", "set_device", "set_memory_limit", "amp",
-    "set_per_process_memory_fraction", "sim", "synchronize",
+    "set_per_process_memory_fraction", "sim", "survive", "synchronize", "watch_leaks",
 ]
 
 
