@@ -53,7 +53,7 @@ CUDA_HOME = find_cuda()
 SANITIZE = os.environ.get("VRAMKIT_SANITIZE", "").strip()
 
 compile_args = ["-std=c11", "-D_DEFAULT_SOURCE", "-Wall", "-Wextra", "-fvisibility=hidden"]
-link_args = []
+link_args = ["-ldl"]  # NVML is dlopen'd (backends/nvml.c); glibc before 2.34 keeps dlopen in libdl
 if env_flag("VRAMKIT_WERROR"):
     compile_args.append("-Werror")
 if SANITIZE:

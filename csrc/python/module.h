@@ -40,6 +40,7 @@ int vk_cuda_tools_init(PyObject *module); /* cuda_tools.c: test helpers for CUDA
 int vk_amp_init(PyObject *module);        /* amp.c: loss-scaling kernels */
 int vk_checkpoint_init(PyObject *module); /* checkpoint.c: the checkpoint planner */
 int vk_trace_init(PyObject *module);      /* trace.c: allocation trace replay */
+int vk_smi_init(PyObject *module);        /* smi.c: GPUs and their processes from NVML */
 
 /* Add a NULL-terminated method table to the module. */
 int vk_add_methods(PyObject *module, PyMethodDef *methods);

@@ -10,8 +10,9 @@ example, an image pipeline training a small MLP in NumPy.
 
     vramkit fit SCRIPT --device-memory 24GiB [--batch-size N] ...   (see _cli_predict.py)
     vramkit replay TRACE --device-memory 40GiB ...
+    vramkit smi [--watch SECONDS] [--kill-stale] ...                 (see _cli_smi.py)
 
-With _cli_predict.py, the only modules of vramkit that print.
+With _cli_predict.py and _cli_smi.py, the only modules of vramkit that print.
 """
 
 from __future__ import annotations
@@ -71,8 +72,10 @@ def _parser() -> argparse.ArgumentParser:
                      help=f"the Python script to run (default: the bundled example {EXAMPLE})")
     run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments passed to SCRIPT")
     from ._cli_predict import add_commands
+    from ._cli_smi import add_command as add_smi
 
     add_commands(commands)
+    add_smi(commands)
     return parser
 
 
@@ -262,5 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ._cli_predict import cmd_fit, cmd_replay
 
         return cmd_fit(ns) if ns.command == "fit" else cmd_replay(ns)
+    if ns.command == "smi":
+        from ._cli_smi import cmd_smi
+
+        return cmd_smi(ns)
     parser.print_help(sys.stderr)
     return 2

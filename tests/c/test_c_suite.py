@@ -56,7 +56,7 @@ def test_cuda_backend_links_and_degrades_without_a_driver(tmp_path):
 
 def build(tmp_path, test: str, flags: list[str]) -> str:
     exe = str(tmp_path / test)
-    cmd = [CC, *BASE_FLAGS, *flags, *CORE, os.path.join(HERE, test + ".c"), "-o", exe, "-lpthread", "-lm"]
+    cmd = [CC, *BASE_FLAGS, *flags, *CORE, os.path.join(HERE, test + ".c"), "-o", exe, "-lpthread", "-lm", "-ldl"]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, f"compiling {test} failed:\n{result.stderr}"
     return exe
@@ -124,7 +124,7 @@ def test_aarch64_cross_build(tmp_path):
     for test in AARCH64_TESTS:
         exe = str(tmp_path / (test + "_aarch64"))
         cmd = [cc, *BASE_FLAGS, "-O2", "-static", *CORE, os.path.join(HERE, test + ".c"), "-o", exe,
-               "-lpthread", "-lm"]
+               "-lpthread", "-lm", "-ldl"]
         result = subprocess.run(cmd, capture_output=True, text=True)
         assert result.returncode == 0, f"cross-compiling {test} for aarch64 failed:\n{result.stderr}"
         result = subprocess.run([qemu, exe], capture_output=True, text=True, env=env, timeout=900)
