@@ -3,6 +3,8 @@ search, with the cleanup after each failed attempt checked on the pool."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -61,7 +63,15 @@ def test_failed_attempts_leave_the_pool_as_before():
     dev = vramkit.sim.create(256 << 20)
     step = buffers_step(dev, per_sample=4 * MiB)
     before = vramkit.memory_stats(dev)
-    result = find_batch_size(step, device=dev)
+    after_each = []
+
+    def check(attempt):  # called after each attempt and its cleanup
+        vramkit.pool_check(dev)
+        after_each.append((attempt.outcome, vramkit.memory_allocated(dev)))
+
+    result = find_batch_size(step, device=dev, on_attempt=check)
+    assert {o for o, _ in after_each} == {"fits", "oom"}
+    assert all(allocated == 0 for _, allocated in after_each)
     # PyTorch's policy: a 4 MiB request takes a 20 MiB segment, 5 blocks each; 12 segments fit
     # in 256 MiB (240 MiB), and no 20 MiB segment fits in the 16 MiB left: 60 samples.
     assert result.batch_size == 60
@@ -149,6 +159,21 @@ def test_torch_out_of_memory_is_recognised_by_type():
     assert result.batch_size == 37
     assert {a.matched for a in result.attempts if a.outcome == "oom"} == {"torch"}
     assert is_out_of_memory(torch.cuda.OutOfMemoryError("x")) == "torch"
+
+
+def test_cupy_out_of_memory_is_recognised_by_type(monkeypatch):
+    """CuPy is not installed here: a stand-in module with CuPy's exception path
+    (cupy.cuda.memory.OutOfMemoryError) checks the lookup by type."""
+    import types
+
+    class OutOfMemoryError(MemoryError):
+        pass
+
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(memory=types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    assert is_out_of_memory(OutOfMemoryError("Out of memory allocating 1,024 bytes")) == "cupy"
+    assert is_out_of_memory(MemoryError("plain")) == "MemoryError"
 
 
 def test_text_match_is_the_documented_last_resort():
