@@ -42,6 +42,14 @@ to give memory back.
 
 Target (from the issue): <= 1.15 with default settings; the max_split_size_mb figure is
 reported alongside.
+
+The serving trace (serving_trace.py: requests arriving and finishing at random, each KV cache
+reallocated larger every 16-64 tokens, about 300 requests in flight; 3000 decoding steps, 300
+with --quick) is replayed with the C loop (`vramkit.trace.replay`) on simulated devices: the
+smallest device on which it completes (bisected to 16 MiB) over its peak allocated, and peak
+reserved over peak allocated on an 80 GiB device, with default settings and with
+max_split_size_mb=128. Issue 10's target for expandable segments on this trace is <= 1.05;
+the classic policy's figures are the baseline (expandable segments are not built yet).
 """
 
 from __future__ import annotations
@@ -312,6 +320,35 @@ def measure(trace: Trace, label: str, options: dict[str, object], target: bool) 
     )
 
 
+def serving_rows(quick: bool) -> list[Row]:
+    from serving_trace import build_serving_trace
+
+    from vramkit import trace as vt
+
+    steps = 300 if quick else 3000
+    trace = build_serving_trace(steps)
+    rows = []
+    for label, conf in (("defaults", None), (f"max_split_size_mb={MAX_SPLIT_MB}", f"max_split_size_mb:{MAX_SPLIT_MB}")):
+        big = vt.replay(trace, DEVICE_BYTES, conf, overheads=vt.NO_OVERHEADS)
+        lo, hi = big.peak_allocated - 1, big.peak_reserved
+        while hi - lo > (1 << 24):
+            mid = (lo + hi) // 2
+            if vt.replay(trace, mid, conf, overheads=vt.NO_OVERHEADS).fits:
+                hi = mid
+            else:
+                lo = mid
+        ratio = hi / big.peak_allocated
+        rows.append(Row(
+            benchmark=f"fragmentation: serving trace, smallest device, {label}", vramkit=float(hi),
+            vramkit_text=f"{fmt_bytes(hi)} device ({big.fragmentation:.3f} reserved/alloc on 80 GiB)",
+            peer_name="ideal", peer=float(big.peak_allocated), peer_text=f"{fmt_bytes(big.peak_allocated)} allocated",
+            ratio=ratio, ratio_text=f"{ratio:.3f} device/alloc", target="(baseline; expandable: <= 1.05)", met=None,
+            detail={"steps": steps, "events": trace.num_events, "peak_reserved_80GiB": big.peak_reserved,
+                    "resolution_bytes": 1 << 24, "alloc_conf": conf},
+        ))
+    return rows
+
+
 def run(quick: bool = False) -> list[Row]:
     steps = 12 if quick else 400
     trace, lengths = build_trace(steps)
@@ -330,7 +367,7 @@ def run(quick: bool = False) -> list[Row]:
     for row in rows:
         row.detail.update(steps=steps, seq_len_min=min(lengths), seq_len_max=max(lengths),
                           seq_len_median=float(np.median(lengths)))
-    return rows
+    return rows + serving_rows(quick)
 
 
 if __name__ == "__main__":
