@@ -29,6 +29,11 @@ def pytest_configure(config: Any) -> None:
 def pytest_pyfunc_call(pyfuncitem: Any) -> Any:
     if pyfuncitem.get_closest_marker("vram_limit") is None and pyfuncitem.get_closest_marker("vram_no_leak") is None:
         return None
+    import inspect
+
+    if inspect.iscoroutinefunction(pyfuncitem.obj) or inspect.isasyncgenfunction(pyfuncitem.obj):
+        raise pytest.UsageError(f"{pyfuncitem.nodeid}: vram_limit / vram_no_leak cannot measure an async test "
+                                "(its body runs in the event loop of an async plugin, not in this call)")
     from vramkit.pytest_plugin import run_marked
 
     return run_marked(pyfuncitem)

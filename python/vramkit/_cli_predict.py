@@ -199,7 +199,7 @@ def cmd_fit(ns: argparse.Namespace) -> int:
         _error("fit", str(exc))
         return BAD_INPUT
     print(report.table(top=ns.top))
-    chosen = ns.batch_size or report.max_batch_size
+    chosen = ns.batch_size or report.max_batch_size or 1  # nothing fits: show batch 1, where it fails
     if chosen:
         trace = vt.capture(builder, chosen, device="meta", steps=ns.steps, meta={"batch_size": chosen})
         pred = vt.replay(trace, ns.device_memory, ns.alloc_conf, overheads=_overheads(ns, False), curves=True)
@@ -209,7 +209,11 @@ def cmd_fit(ns: argparse.Namespace) -> int:
         if page:
             print(f"Timeline (batch size {chosen}): {page}")
         if ns.trace:
-            print(f"Trace (batch size {chosen}): {trace.save(ns.trace)}")
+            try:
+                print(f"Trace (batch size {chosen}): {trace.save(ns.trace)}")
+            except OSError as exc:
+                _error("fit", f"cannot write the trace to {ns.trace!r}: {exc.strerror or exc}")
+                return BAD_INPUT
     print(f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
     return FITS if report.fits else DOES_NOT_FIT
 

@@ -4,9 +4,11 @@ torch has no autocast for meta tensors: its Autocast dispatch keys exist per bac
 CUDA, ...) and none for Meta, and ``torch.autocast("cuda")`` is disabled outright on a build
 without CUDA. So a meta capture of a mixed-precision step would record every activation in
 float32. While a meta capture runs, vramkit makes ``torch.autocast(device_type, dtype)`` in the
-user's own code (a ``with`` block or a decorator, ``torch.cuda.amp.autocast`` too) enter an
-emulation instead: a ``TorchFunctionMode`` that applies the cast policy of autocast's op lists
-for that device type (PyTorch's ``aten/src/ATen/autocast_mode.cpp``):
+user's own code (a ``with`` block, ``torch.cuda.amp.autocast`` too) enter an
+emulation instead (regions created during the capture: an autocast decorator built before it
+keeps torch's behaviour): a ``TorchFunctionMode`` that applies the cast policy of autocast's op
+lists for that device type (PyTorch's ``aten/src/ATen/autocast_mode.cpp``), the innermost
+region's dtype winning as in autocast:
 
 * lower precision (matmuls, convolutions, linear, attention): floating inputs that are not
   float64 are cast to the autocast dtype; casts of leaf tensors that require grad (the
@@ -83,6 +85,7 @@ class _State:
         self.regions: list[tuple[str, torch.dtype, bool]] = []  # (device_type, dtype, enabled)
         self.cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(leaf) -> (leaf, its cast)
         self.recompute_device = "cuda"  # the lists a checkpoint recomputation uses
+        self.modes: list[Any] = []  # the emulation mode of each open region (None: reuses the outer one)
 
 
 _STATE: _State | None = None
@@ -116,8 +119,10 @@ class _Emulation(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         kind = self.policy.get(_name(func))
-        if kind is None or not self.state.regions or not self.state.regions[-1][2]:
-            return func(*args, **kwargs)  # not listed, or inside autocast(enabled=False)
+        if kind is None or not self.state.modes or self.state.modes[-1] is not self or not self.state.regions[-1][2]:
+            # Not listed; inside autocast(enabled=False); or an inner region's mode already
+            # applied its policy (autocast uses the innermost region's dtype only).
+            return func(*args, **kwargs)
         if kind == LOWER:
             args, kwargs = _cast_args(args, kwargs, lambda t: self._cast(t, self.dtype))
         elif kind == FP32:
@@ -183,6 +188,8 @@ def emulate_autocast() -> Iterator[None]:
                         or not state.regions[-2][2]):
             mode = _Emulation(state, device_type, dtype, True if cache_enabled is None else bool(cache_enabled))
             mode.__enter__()
+        # The mode that acts in this region: its own, or the enclosing one it shares the policy with.
+        state.modes.append(mode if mode is not None else (state.modes[-1] if state.modes else None))
         self._vramkit_entered = mode
         return self
 
@@ -193,6 +200,7 @@ def emulate_autocast() -> Iterator[None]:
         if mode is not None:
             mode.__exit__(*exc)
         state.regions.pop()
+        state.modes.pop()
         if not state.regions:
             state.cache.clear()  # the cast cache lives until the outermost region exits
         return False

@@ -90,6 +90,8 @@ class _Recorder:
         self.autocast_device = "cuda"
         self.region: Any = None
         self.checkpointed: list[nn.Module] = []
+        self.saved_forwards: list[Any] = []
+        self.thread = threading.get_ident()  # the hooks act only for the capturing thread
         self.checkpointed_path = ""
 
     # ---------------------------------------------------------------- phases
@@ -222,7 +224,9 @@ def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     AutogradMeta key for the duration of a capture, so checkpoint recomputations in the
     backward take the same path; what the fused kernel cannot take goes to the math path, as
     without it."""
-    fused = (not enable_gqa and query.dim() == 4
+    fused = (not enable_gqa and query.dim() == 4 and key.dim() == 4 and value.dim() == 4
+             and query.size(-1) == key.size(-1) == value.size(-1)  # the fused kernel's shapes; else math
+             and query.shape[:2] == key.shape[:2] == value.shape[:2]
              and query.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
              and (attn_mask is None or (not is_causal and not attn_mask.requires_grad)))
     if fused:
@@ -362,23 +366,32 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
         with torch.device(dev), emulation:
             tag_args(rec, (args, kwargs))
             with _CaptureMode(rec):
-                _begin_step(rec)
-                first = _call(step_fn, args, kwargs)
-                if callable(first) and not isinstance(first, (torch.Tensor, nn.Module)):
-                    # A builder: what it made is the setup; the callable it returned is the step.
-                    _refile_as_setup(rec)
-                    step, form, left = first, "builder", steps
-                    rec.step = -1
-                else:
-                    _end_step(rec)
-                    step, form, left = None, "step", steps - 1
-                for _ in range(left):
+                try:
                     _begin_step(rec)
-                    if step is not None:
-                        _call(step, (), {})
+                    first = _call(step_fn, args, kwargs)
+                    if callable(first) and not isinstance(first, (torch.Tensor, nn.Module)):
+                        # A builder: what it made is the setup; the callable it returned is the step.
+                        _refile_as_setup(rec)
+                        step, form, left = first, "builder", steps
+                        rec.step = -1
                     else:
-                        _call(step_fn, args, kwargs)
-                    _end_step(rec)
+                        _end_step(rec)
+                        step, form, left = None, "step", steps - 1
+                        info["first_return"] = type(first).__name__
+                    del first  # a step's return value (a loss, its graph) lives no longer than later ones
+                    for _ in range(left):
+                        _begin_step(rec)
+                        if step is not None:
+                            _call(step, (), {})
+                        else:
+                            _call(step_fn, args, kwargs)
+                        _end_step(rec)
+                finally:
+                    if rec.region is not None:
+                        # A forward interrupted by KeyboardInterrupt/SystemExit skips the post-hook
+                        # that closes the autocast region; it must leave the mode stack here.
+                        region, rec.region = rec.region, None
+                        region.__exit__(None, None, None)
         info.update(source=f"capture:{dev.type}", device=dev.type, steps=steps, form=form,
                     torch_version=torch.__version__)
         if checkpoint_blocks:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ._trace_capture import capture
-from ._trace_replay import GpuOverheads, Prediction, format_size, parse_size, replay
+from ._trace_replay import GpuOverheads, Prediction, _conf_text, format_size, parse_size, replay
 
 __all__ = ["FitReport", "Probe", "Suggestion", "fit"]
 
@@ -94,6 +94,11 @@ def _probe(build: Callable[..., Any], batch_size: int, cap: int, steps: int, all
     t0 = time.perf_counter()
     trace = capture(build, batch_size, device="meta", steps=steps, meta={"batch_size": batch_size},
                     checkpoint_blocks=checkpoint_blocks, autocast=autocast)
+    if trace.meta.get("form") != "builder":
+        name = getattr(build, "__qualname__", type(build).__name__)
+        what = trace.meta.get("first_return", "no function")
+        raise TypeError(f"{name}({batch_size}) returned {'None' if what == 'NoneType' else 'a ' + what}: the builder "
+                        "must build the model, optimizer and batch and return the step function (`return step`)")
     pred = replay(trace, cap, alloc_conf, overheads=overheads)
     pred.checkpointed_blocks = trace.meta.get("checkpointed_blocks", "")
     pred.checkpointed_count = int(trace.meta.get("checkpointed_count", 0))
@@ -126,6 +131,9 @@ def fit(build: Callable[..., Any], capacity: Any = "24GiB", *, batch_size: int |
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
         raise ValueError(f"batch_size must be an integer >= 1 or None, got {batch_size!r}")
+    if batch_size is not None and search and batch_size > max_batch_size:
+        raise ValueError(f"batch_size ({batch_size}) is above max_batch_size ({max_batch_size}): the search for the "
+                         "largest batch that fits would start above its cap; raise max_batch_size or pass search=False")
     say = progress or (lambda line: None)
     cache: dict[tuple[int, str, str, str], Probe] = {}
 
@@ -191,7 +199,8 @@ def _suggest(probe: Callable[..., Probe], target: int, pred: Prediction, alloc_c
     # Fragmentation: the live bytes would fit but the reserved segments do not.
     if pred.oom and pred.oom.get("allocated", 0) + pred.oom.get("size", 0) <= pred.usable:
         for option in _ALLOCATOR_OPTIONS:
-            conf = option if not alloc_conf else f"{alloc_conf},{option}"
+            base = _conf_text(alloc_conf)
+            conf = option if not base else f"{base},{option}"
             p = probe(target, conf)
             if p.fits:
                 out.append(Suggestion(f"PYTORCH_CUDA_ALLOC_CONF={conf}", {"alloc_conf": conf}, p.prediction,

@@ -142,6 +142,11 @@ class Trace:
             if col.ndim != 1 or len(col) != num:
                 raise TraceFormatError(f"column {name!r} has {len(col)} entries; the trace has {num} allocation "
                                        "ids (the largest allocated id + 1)")
+        bad_phase = np.flatnonzero((self.kind == PHASE) & ((self.id < 0) | (self.id >= len(PHASES))))
+        if bad_phase.size:
+            i = int(bad_phase[0])
+            raise TraceFormatError(f"event {i}: phase marker {int(self.id[i])} is not an index of PHASES "
+                                   f"(0..{len(PHASES) - 1}: {', '.join(PHASES)})")
         mem = self.kind <= FREE
         neg = np.flatnonzero(mem & (self.id < 0))
         if neg.size:
@@ -259,6 +264,7 @@ class Trace:
                 f.write(prefix)
                 f.write(header)
                 f.write(payload)
+            os.chmod(tmp, 0o644)  # mkstemp makes it private (0600); a saved trace is an ordinary file
             os.replace(tmp, path)
         except BaseException:
             try:

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -48,6 +49,8 @@ def _label_graph(outputs: Any, path: str) -> None:
 
 def install_hooks(rec: Any) -> list:
     def pre(module: nn.Module, args: Any) -> None:
+        if threading.get_ident() != rec.thread:
+            return  # the hooks are process-wide; another thread's models are not this capture's
         if not rec.module_stack:
             if id(module) not in rec.names:
                 _add_root(rec, module)
@@ -64,6 +67,8 @@ def install_hooks(rec: Any) -> list:
         rec.module_stack.append(path)
 
     def post(module: nn.Module, args: Any, output: Any) -> None:
+        if threading.get_ident() != rec.thread:
+            return
         if rec.module_stack:
             path = rec.module_stack.pop()
             if torch.is_grad_enabled():
@@ -73,12 +78,16 @@ def install_hooks(rec: Any) -> list:
             region.__exit__(None, None, None)
 
     def opt_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if threading.get_ident() != rec.thread:
+            return
         if not any(r() is optimizer for r in rec.optimizers):
             rec.optimizers.append(weakref.ref(optimizer))
         _tag_grads(rec, optimizer)
         rec.in_optimizer += 1
 
     def opt_post(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if threading.get_ident() != rec.thread:
+            return
         rec.in_optimizer = max(0, rec.in_optimizer - 1)
         _tag_optimizer_state(rec, optimizer)
         rec.phase = _OTHER
@@ -137,7 +146,8 @@ def repeated_blocks(root: nn.Module) -> tuple[str, list[nn.Module]] | None:
         children = list(mod.children())
         if len(children) < 2 or len({type(c) for c in children}) != 1:
             continue
-        params = sum(p.numel() for p in mod.parameters())
+        params = sum(p.numel() for p in mod.parameters()
+                     if not isinstance(p, nn.parameter.UninitializedParameter))  # lazy modules, before their first call
         if params > best_params:
             best, best_params = (name, children), params
     return best
@@ -158,6 +168,7 @@ def _checkpoint_repeated_blocks(rec: Any, root: nn.Module) -> None:
     rec.checkpoint_total = len(blocks)
     for block in blocks[:count]:
         original = block.forward
+        rec.saved_forwards.append(block.__dict__.get("forward", _NO_FORWARD))  # a forward the user patched
 
         def wrapped(*args: Any, _f: Any = original, **kwargs: Any) -> Any:
             return checkpoint(_f, *args, use_reentrant=False, **kwargs)
@@ -168,10 +179,17 @@ def _checkpoint_repeated_blocks(rec: Any, root: nn.Module) -> None:
     rec.checkpointed_count = count
 
 
+_NO_FORWARD = object()
+
+
 def restore_blocks(rec: Any) -> None:
-    for block in rec.checkpointed:
-        block.__dict__.pop("forward", None)
+    for block, saved in zip(rec.checkpointed, rec.saved_forwards):
+        if saved is _NO_FORWARD:
+            block.__dict__.pop("forward", None)
+        else:
+            block.forward = saved
     rec.checkpointed.clear()
+    rec.saved_forwards.clear()
 
 
 def _tag_grads(rec: Any, optimizer: Any) -> None:

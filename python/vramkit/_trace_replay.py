@@ -62,7 +62,10 @@ def parse_size(value: Any, what: str = "capacity") -> int:
                              f"'{m.group(1)}e9' for decimal bytes")
         if unit not in _UNITS:
             raise ValueError(f"{what} {value!r} has an unknown unit {m.group(2)!r}: use B, KiB, MiB, GiB or TiB")
-        n = int(float(m.group(1)) * _UNITS[unit])
+        try:
+            n = int(float(m.group(1)) * _UNITS[unit])
+        except OverflowError:
+            raise ValueError(f"{what} {value!r} is too large (at most 4 EiB)") from None
     else:
         raise TypeError(f"{what} must be a size in bytes or a string like '24GiB', got {type(value).__name__}")
     if n <= 0 or n >= 1 << 62:

@@ -155,16 +155,20 @@ class LeakWatch:
         if self.steps > self.warmup:
             self._pool_after.append(self._C.memory_counters(self.device)[0])
             self._torch_after.append(self._meter.current if self._meter is not None else 0)
-        if self._meter is not None and self.steps == self.warmup:
+        if self._meter is not None and self.steps == max(self.warmup, 1):
             self._warm = set(self._meter.site_of)  # storages live at the end of the warm-up
+            # Tensors holding an autograd graph now; a leak is one whose graph keeps growing.
+            self._graphs_then = _graph_sizes()
 
     def __exit__(self, *exc: Any) -> None:
-        self._report = self._build_report()
-        if self._mode is not None:
-            self._mode.__exit__(*exc)
-        if not self._was_recording:
-            self._C.history_enable(self.device, 0)
-        self._active = False
+        try:
+            self._report = self._build_report()
+        finally:
+            if self._mode is not None:
+                self._mode.__exit__(*exc)
+            if not self._was_recording:
+                self._C.history_enable(self.device, 0)
+            self._active = False
 
     def report(self) -> LeakReport:
         """The findings (after the block; inside it, as of now)."""
@@ -185,8 +189,8 @@ class LeakWatch:
                 if ptr not in warm:
                     by_site[site] = by_site.get(site, 0) + n
             r.torch_sites = sorted(by_site.items(), key=lambda kv: -kv[1])[:5]
-        if self._meter is not None and self.steps - self.warmup >= 2:
-            r.graph_holders = _graph_holders(self._meter, self.steps - self.warmup)
+        if self._meter is not None and self.steps - self.warmup >= 2 and getattr(self, "_graphs_then", None):
+            r.graph_holders = _graph_holders(self._meter, self._graphs_then, self.steps - max(self.warmup, 1))
         return r
 
 
@@ -213,23 +217,52 @@ def _chain(fn: Any, kind: str, cap: int = 100_000) -> tuple[int, int]:
     return nodes, depth
 
 
-def _graph_holders(meter: Any, measured: int) -> list[GraphHolder]:
-    """Live tensors with a grad_fn whose graph chains one node type over at least `measured`
-    steps: what `total_loss += loss` builds (AddBackward0 after AddBackward0)."""
+def _live_graph_tensors() -> list:
+    """Live tensors with a grad_fn (found with gc.get_objects); tensors whose attributes cannot
+    be read (e.g. some nested tensors) are skipped."""
     import warnings
 
     import torch
 
-    out = []
     with warnings.catch_warnings():  # isinstance() on some of torch's deprecated module objects warns
         warnings.simplefilter("ignore")
         tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-    for obj in tensors:
-        if obj.grad_fn is None:
+    out = []
+    for t in tensors:
+        try:
+            if t.grad_fn is not None:
+                tuple(t.shape)
+                out.append(t)
+        except (RuntimeError, NotImplementedError, ReferenceError):
+            continue
+    return out
+
+
+def _graph_sizes() -> dict[int, tuple[Any, int]]:
+    """id(tensor) -> (weak reference, autograd nodes reachable), for live graph-holding tensors."""
+    import weakref
+
+    out = {}
+    for t in _live_graph_tensors():
+        try:
+            out[id(t)] = (weakref.ref(t), _chain(t.grad_fn, type(t.grad_fn).__name__)[0])
+        except TypeError:
+            continue
+    return out
+
+
+def _graph_holders(meter: Any, then: dict[int, tuple[Any, int]], measured: int) -> list[GraphHolder]:
+    """Tensors that held an autograd graph at the end of the warm-up and whose graph has grown
+    since: what `total_loss += loss` builds (one AddBackward0 more per step). A graph that is
+    merely large (a per-timestep loss summed inside one step) does not grow across steps."""
+    out = []
+    for ref, nodes_then in then.values():
+        obj = ref()
+        if obj is None or obj.grad_fn is None:
             continue
         fn = obj.grad_fn
         nodes, depth = _chain(fn, type(fn).__name__)
-        if depth < measured:
+        if nodes <= nodes_then:
             continue
         try:
             ptr = obj.untyped_storage().data_ptr()

@@ -142,7 +142,8 @@ class _Meter:
             if device.type != "cuda":
                 raise ValueError(f"a torch device must be a CUDA device ('cuda:N'), got {device}; for host memory pass "
                                  "a vramkit device such as 'cpu'")
-            self.kind, self.index, self.name = "torch", device.index or 0, f"torch {device}"
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self.kind, self.index, self.name = "torch", index, f"torch cuda:{index}"
         elif device == "cupy":
             self.kind, self.name = "cupy", "cupy's default memory pool"
         elif device is None and torch is not None and torch.cuda.is_available():

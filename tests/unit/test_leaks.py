@@ -111,3 +111,18 @@ def test_bad_use():
     with watch_leaks() as w:
         w.step()
     assert "too few" in str(w.report())
+
+
+def test_a_large_graph_that_does_not_grow_is_not_a_leak():
+    """A loss summed over time steps inside one step builds a long AddBackward0 chain, but the
+    chain is rebuilt every step, not extended: no leak."""
+    w = torch.ones(8, requires_grad=True)
+    kept = []
+    with watch_leaks(warmup=1) as watch:
+        for _ in range(5):
+            loss = 0
+            for t in range(12):
+                loss = loss + (w * t).sum()
+            kept[:] = [loss]  # the latest loss is kept (for logging), its graph replaced each step
+            watch.step()
+    assert not watch.report().leaking, str(watch.report())

@@ -234,3 +234,40 @@ def test_torch_transformer_encoder_and_the_one_explained_difference():
     assert {op for op, _ in only_cpu} <= math, only_cpu
     assert any(op == "aten::_safe_softmax" for op, _ in only_cpu)  # the L x L attention matrix
     assert vt.peak_live_bytes(meta) < vt.peak_live_bytes(cpu)
+
+
+def test_review_fixes_attention_shapes_builder_return_and_interrupts():
+    # Attention whose value head dim differs from the query's: not the fused kernel's shape,
+    # so the math path runs, as on the CPU; the result has v's last dim.
+    def build(batch_size):
+        q = torch.randn(batch_size, 4, 16, 8)
+        k = torch.randn(batch_size, 4, 32, 8)
+        v = torch.randn(batch_size, 4, 32, 4)
+
+        def step():
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            assert out.shape == (batch_size, 4, 16, 4), out.shape
+
+        return step
+
+    vt.capture(build, 2, device="meta")
+    # A builder that forgets `return step`: fit refuses it instead of measuring the builder.
+    with pytest.raises(TypeError, match=r"returned None: the builder must .* return the step function"):
+        vt.fit(lambda batch_size: None, "1GiB")
+    # KeyboardInterrupt inside a forward under capture(autocast=...) leaves no mode behind.
+    from torch.overrides import _get_current_function_mode_stack
+
+    class Stop(torch.nn.Module):
+        def forward(self, x):
+            raise KeyboardInterrupt
+
+    def build_stop(batch_size):
+        m = Stop()
+        x = torch.randn(batch_size, 2)
+        return lambda: m(x)
+
+    depth = len(_get_current_function_mode_stack())
+    with pytest.raises(KeyboardInterrupt):
+        vt.capture(build_stop, 1, device="meta", autocast=torch.bfloat16)
+    assert len(_get_current_function_mode_stack()) == depth
+    assert torch.empty(1).device.type == "cpu"
