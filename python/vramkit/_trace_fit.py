@@ -235,7 +235,9 @@ def _try(probe: Callable[..., Probe], target: int, alloc_conf: Any, combo: tuple
          blocks: str) -> Suggestion | None:
     """Probe one combination; with "accumulate", the fewest micro-batches (dividing the target)
     that fit."""
-    amp = torch_bf16() if "amp" in combo else None
+    import torch
+
+    amp = torch.bfloat16 if "amp" in combo else None
     ckpt = "checkpoint" in combo
     if "accumulate" in combo:
         sizes = [(target // k, k) for k in range(2, target + 1) if target % k == 0]
@@ -277,9 +279,3 @@ def _try(probe: Callable[..., Probe], target: int, alloc_conf: Any, combo: tuple
             settings.update(micro_batch_size=micro, accumulation_steps=k)
         return Suggestion(" + ".join(parts), settings, p.prediction, "; ".join(costs))
     return None
-
-
-def torch_bf16() -> Any:
-    import torch
-
-    return torch.bfloat16

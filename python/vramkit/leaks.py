@@ -135,11 +135,9 @@ class LeakWatch:
         if not self._was_recording:
             C.history_enable(self.device, 100_000)
         if "torch" in sys.modules:
-            from .pytest_plugin import _torch_meter
-            from .torch import _MeterMode
+            from .torch import SiteMeter, _MeterMode
 
-            self._meter = _torch_meter(self.device)
-            self._meter.step_of = {}
+            self._meter = SiteMeter(self.device.split(":")[0])
             self._mode = _MeterMode(self._meter)
             self._mode.__enter__()
         self._active = True

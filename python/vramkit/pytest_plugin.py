@@ -33,7 +33,6 @@ Fixture ``vram_sim``: a fresh simulated device for the test, 8 GiB or the capaci
 from __future__ import annotations
 
 import gc
-import os
 import sys
 import threading
 from typing import Any
@@ -69,59 +68,6 @@ def _fmt(n: float) -> str:
 
 
 # ----------------------------------------------------------------------------- torch storages
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _caller_site() -> str:
-    """file:line (function) of the innermost frame that is neither torch's nor vramkit's."""
-    f = sys._getframe(2)
-    torch_dir = os.sep + "torch" + os.sep
-    while f is not None:
-        name = f.f_code.co_filename
-        if not name.startswith(_HERE) and torch_dir not in name and not name.startswith("<"):
-            return f"{os.path.basename(name)}:{f.f_lineno} ({f.f_code.co_name})"
-        f = f.f_back
-    return "(unknown)"
-
-
-def _torch_meter(device: str) -> Any:
-    """A live-storage meter for torch tensors on `device`'s type, with per-site bytes."""
-    from .torch import LiveMeter
-
-    kind = device.split(":")[0]
-
-    class SiteMeter(LiveMeter):
-        def __init__(self) -> None:
-            super().__init__()
-            self.site_of: dict[int, tuple[str, int]] = {}
-            self.live_by_site: dict[str, int] = {}
-            self.at_peak: dict[str, int] = {}
-
-        def _add(self, st: Any) -> None:
-            if st.device.type != kind:
-                return
-            ptr, n = st.data_ptr(), st.nbytes()
-            if ptr == 0 or n == 0 or ptr in self._live:
-                return
-            site = _caller_site()
-            peak = self.peak
-            super()._add(st)
-            with self._lock:
-                self.site_of[ptr] = (site, n)
-                self.live_by_site[site] = self.live_by_site.get(site, 0) + n
-                if self.current > peak:
-                    self.at_peak = dict(self.live_by_site)
-
-        def _free(self, ptr: int, token: object) -> None:
-            super()._free(ptr, token)
-            with self._lock:
-                entry = self.site_of.pop(ptr, None) if ptr not in self._live else None
-                if entry is not None:
-                    self.live_by_site[entry[0]] -= entry[1]
-
-    return SiteMeter()
-
 
 def _top(sites: dict[str, int], n: int = 5) -> list[str]:
     return [f"  {_fmt(b):>12}  {s}" for s, b in sorted(sites.items(), key=lambda kv: -kv[1])[:n] if b > 0]
@@ -188,9 +134,9 @@ def _watchers(device: str) -> tuple[_PoolWatch, Any, Any]:
     pool = _PoolWatch(device)
     meter, mode = None, None
     if "torch" in sys.modules:
-        from .torch import _MeterMode
+        from .torch import SiteMeter, _MeterMode
 
-        meter = _torch_meter(device)
+        meter = SiteMeter(device.split(":")[0])
         mode = _MeterMode(meter)
     return pool, meter, mode
 

@@ -14,6 +14,8 @@ is always the real PyTorch.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import threading
 import weakref
 from typing import Any, Iterator
@@ -22,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveMeter", "track"]
+__all__ = ["LiveMeter", "SiteMeter", "track"]
 
 
 def _storage(t: Any):
@@ -90,6 +92,57 @@ class LiveMeter:
 
     def __repr__(self) -> str:
         return f"LiveMeter(current={self.current:,} B, peak={self.peak:,} B, storages={len(self._live)})"
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _caller_site() -> str:
+    """file:line (function) of the innermost frame that is neither torch's nor vramkit's."""
+    f = sys._getframe(2)
+    torch_dir = os.sep + "torch" + os.sep
+    while f is not None:
+        name = f.f_code.co_filename
+        if not name.startswith(_HERE) and torch_dir not in name and not name.startswith("<"):
+            return f"{os.path.basename(name)}:{f.f_lineno} ({f.f_code.co_name})"
+        f = f.f_back
+    return "(unknown)"
+
+
+class SiteMeter(LiveMeter):
+    """A LiveMeter for storages on one device type ("cpu", "cuda") that also records the Python
+    frame creating each storage: ``site_of`` (pointer -> (site, bytes)), ``live_by_site``, and
+    ``at_peak`` (live bytes by site when the peak was last raised). Used by the leak watch and
+    the pytest plugin to name where memory came from."""
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.site_of: dict[int, tuple[str, int]] = {}
+        self.live_by_site: dict[str, int] = {}
+        self.at_peak: dict[str, int] = {}
+
+    def _add(self, st) -> None:
+        if st.device.type != self.device_type:
+            return
+        ptr, n = st.data_ptr(), st.nbytes()
+        if ptr == 0 or n == 0 or ptr in self._live:
+            return
+        site = _caller_site()
+        peak = self.peak
+        super()._add(st)
+        with self._lock:
+            self.site_of[ptr] = (site, n)
+            self.live_by_site[site] = self.live_by_site.get(site, 0) + n
+            if self.current > peak:
+                self.at_peak = dict(self.live_by_site)
+
+    def _free(self, ptr: int, token: object) -> None:
+        super()._free(ptr, token)
+        with self._lock:
+            entry = self.site_of.pop(ptr, None) if ptr not in self._live else None
+            if entry is not None:
+                self.live_by_site[entry[0]] -= entry[1]
 
 
 class _MeterMode(TorchDispatchMode):
