@@ -40,16 +40,26 @@ memory pressure the allocator frees cached blocks and retries, so this is the fi
 whether a run fits, while the first one says how much the cache holds when nothing forces it
 to give memory back.
 
-Target (from the issue): <= 1.15 with default settings; the max_split_size_mb figure is
-reported alongside.
+Four settings throughout: defaults, max_split_size_mb=128, expandable_segments (PyTorch's
+20 MiB large-pool pages) and expandable_segments with expandable_page_mb=2.
+
+Targets (from the issues): <= 1.15 with default settings; <= 1.02 with expandable segments;
+the max_split_size_mb figure is reported alongside.
 
 The serving trace (serving_trace.py: requests arriving and finishing at random, each KV cache
 reallocated larger every 16-64 tokens, about 300 requests in flight; 3000 decoding steps, 300
 with --quick) is replayed with the C loop (`vramkit.trace.replay`) on simulated devices: the
 smallest device on which it completes (bisected to 16 MiB) over its peak allocated, and peak
-reserved over peak allocated on an 80 GiB device, with default settings and with
-max_split_size_mb=128. Issue 10's target for expandable segments on this trace is <= 1.05;
-the classic policy's figures are the baseline (expandable segments are not built yet).
+reserved over peak allocated on an 80 GiB device. Target for expandable segments: <= 1.05;
+the classic settings are the baseline.
+
+Cost of expandable segments (target: within 1.5x of the classic policy), passes interleaved:
+ns per cached alloc+free pair looped in C over alloc.py's realistic size mix on two warm
+80 GiB sim devices, and ns per event of the serving trace's C replay on an 80 GiB device.
+
+cpu: growing_arrays.py (NumPy buffers grown by np.concatenate, vramkit's handler installed)
+in two fresh child Pythons, VRAMKIT_ALLOC_CONF empty and expandable_segments:True: resident
+memory (/proc/self/statm) at the end, before any empty_cache. Reported, no target.
 """
 
 from __future__ import annotations
@@ -61,7 +71,7 @@ import sys
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import Row, fmt_bytes, main_for, use_source_tree
+from _common import Row, fmt_bytes, fmt_ns, interleaved, main_for, median, use_source_tree
 
 use_source_tree()
 
@@ -71,6 +81,9 @@ import vramkit
 SEED = 1234
 DEVICE_BYTES = 80 << 30
 TARGET = 1.15
+EXPANDABLE_TRAINING_TARGET = 1.02
+SERVING_TARGET = 1.05
+COST_TARGET = 1.5
 MAX_SPLIT_MB = 128
 CAPACITY_STEP = 1 << 26  # 1/16 GiB
 
@@ -297,7 +310,7 @@ def smallest_capacity(trace: Trace, options: dict[str, object], lo: int, hi: int
     return hi, stats
 
 
-def measure(trace: Trace, label: str, options: dict[str, object], target: bool) -> Row:
+def measure(trace: Trace, label: str, options: dict[str, object], target: float | None) -> Row:
     device = vramkit.sim.create(DEVICE_BYTES)
     if options:
         vramkit.configure(device, **options)
@@ -311,13 +324,24 @@ def measure(trace: Trace, label: str, options: dict[str, object], target: bool) 
         benchmark=f"fragmentation: {label}", vramkit=float(reserved), vramkit_text=f"{fmt_bytes(reserved)} reserved",
         peer_name="ideal", peer=float(allocated), peer_text=f"{fmt_bytes(allocated)} allocated",
         ratio=ratio, ratio_text=f"{ratio:.3f} reserved/alloc",
-        target="<= 1.15" if target else "(report)", met=(ratio <= TARGET) if target else None,
+        target=f"<= {target:.2f}" if target else "(report)", met=(ratio <= target) if target else None,
         detail={"device": device, "options": options, "peak_requested_bytes": trace.peak_requested,
                 "num_ops": len(trace.ops), "num_alloc_retries": stats.get("num_alloc_retries"),
                 "num_device_alloc": stats.get("num_device_alloc"), "num_device_free": stats.get("num_device_free"),
                 "segment_peak": stats.get("segment.all.peak"),
                 "inactive_split_bytes_peak": stats.get("inactive_split_bytes.all.peak")},
     )
+
+
+# The configurations compared on both traces: label, VRAMKIT_ALLOC_CONF, configure() options.
+CLASSIC = ("defaults", None, {})
+MAX_SPLIT = (f"max_split_size_mb={MAX_SPLIT_MB}", f"max_split_size_mb:{MAX_SPLIT_MB}", {"max_split_size_mb": MAX_SPLIT_MB})
+EXPANDABLE = ("expandable_segments (PyTorch's 20 MiB pages)", "expandable_segments:True", {"expandable_segments": True})
+EXPANDABLE_2MB = ("expandable_segments, 2 MiB pages", "expandable_segments:True,expandable_page_mb:2",
+                  {"expandable_segments": True, "expandable_page_mb": 2})
+CONFIGS = (CLASSIC, MAX_SPLIT, EXPANDABLE, EXPANDABLE_2MB)
+TRAINING_TARGETS = {CLASSIC[0]: TARGET, EXPANDABLE[0]: EXPANDABLE_TRAINING_TARGET,
+                    EXPANDABLE_2MB[0]: EXPANDABLE_TRAINING_TARGET}
 
 
 def serving_rows(quick: bool) -> list[Row]:
@@ -328,7 +352,7 @@ def serving_rows(quick: bool) -> list[Row]:
     steps = 300 if quick else 3000
     trace = build_serving_trace(steps)
     rows = []
-    for label, conf in (("defaults", None), (f"max_split_size_mb={MAX_SPLIT_MB}", f"max_split_size_mb:{MAX_SPLIT_MB}")):
+    for label, conf, _ in CONFIGS:
         big = vt.replay(trace, DEVICE_BYTES, conf, overheads=vt.NO_OVERHEADS)
         lo, hi = big.peak_allocated - 1, big.peak_reserved
         while hi - lo > (1 << 24):
@@ -338,23 +362,98 @@ def serving_rows(quick: bool) -> list[Row]:
             else:
                 lo = mid
         ratio = hi / big.peak_allocated
+        expandable = conf is not None and "expandable" in conf
         rows.append(Row(
             benchmark=f"fragmentation: serving trace, smallest device, {label}", vramkit=float(hi),
             vramkit_text=f"{fmt_bytes(hi)} device ({big.fragmentation:.3f} reserved/alloc on 80 GiB)",
             peer_name="ideal", peer=float(big.peak_allocated), peer_text=f"{fmt_bytes(big.peak_allocated)} allocated",
-            ratio=ratio, ratio_text=f"{ratio:.3f} device/alloc", target="(baseline; expandable: <= 1.05)", met=None,
+            ratio=ratio, ratio_text=f"{ratio:.3f} device/alloc",
+            target=f"<= {SERVING_TARGET:.2f}" if expandable else "(baseline)",
+            met=(ratio <= SERVING_TARGET) if expandable else None,
             detail={"steps": steps, "events": trace.num_events, "peak_reserved_80GiB": big.peak_reserved,
                     "resolution_bytes": 1 << 24, "alloc_conf": conf},
         ))
+    rows.append(replay_speed_row(trace, quick))
     return rows
+
+
+def replay_speed_row(trace, quick: bool) -> Row:
+    """The serving trace's events replayed in C on an 80 GiB device, classic policy against
+    expandable segments, passes interleaved: ns per event (an alloc or a free)."""
+    from vramkit import trace as vt
+
+    def seconds(conf):
+        return lambda: vt.replay(trace, DEVICE_BYTES, conf, overheads=vt.NO_OVERHEADS).replay_seconds
+
+    passes = 3 if quick else 9
+    times = interleaved({"classic": seconds(None), "expandable": seconds(EXPANDABLE[1])}, passes=passes, warmup=1)
+    classic_ns = median(times["classic"]) * 1e9 / trace.num_events
+    expandable_ns = median(times["expandable"]) * 1e9 / trace.num_events
+    ratio = expandable_ns / classic_ns
+    return Row(
+        benchmark="cost: serving trace replayed in C, ns per event, expandable_segments vs classic",
+        vramkit=expandable_ns, vramkit_text=fmt_ns(expandable_ns), peer_name="classic policy", peer=classic_ns,
+        peer_text=fmt_ns(classic_ns), ratio=ratio, ratio_text=f"{ratio:.2f}x the classic cost",
+        target=f"<= {COST_TARGET:.1f}x", met=ratio <= COST_TARGET,
+        detail={"passes": passes, "events": trace.num_events, "classic_s": times["classic"],
+                "expandable_s": times["expandable"]},
+    )
+
+
+def pair_cost_row(quick: bool) -> Row:
+    """alloc.py's realistic size mix (512 B - 64 MiB), malloc+free pairs looped in C on two warm
+    80 GiB sim devices, classic and expandable, passes interleaved."""
+    from alloc import realistic_mix
+
+    from vramkit import _C
+
+    sizes = realistic_mix(10_000 if quick else 100_000)
+    classic, expandable = vramkit.sim.create(DEVICE_BYTES), vramkit.sim.create(DEVICE_BYTES)
+    vramkit.configure(expandable, **EXPANDABLE[2])
+    passes = 3 if quick else 9
+    times = interleaved({"classic": lambda: _C.bench_pool_pairs(classic, sizes, 1)[0],
+                         "expandable": lambda: _C.bench_pool_pairs(expandable, sizes, 1)[0]}, passes=passes, warmup=2)
+    c, e = median(times["classic"]), median(times["expandable"])
+    return Row(
+        benchmark="cost: alloc+free pair in C, realistic mix, expandable_segments vs classic", vramkit=e,
+        vramkit_text=fmt_ns(e), peer_name="classic policy", peer=c, peer_text=fmt_ns(c), ratio=e / c,
+        ratio_text=f"{e / c:.2f}x the classic cost", target=f"<= {COST_TARGET:.1f}x", met=e / c <= COST_TARGET,
+        detail={"passes": passes, "sizes": len(sizes), "classic_ns": times["classic"],
+                "expandable_ns": times["expandable"]},
+    )
+
+
+def numpy_rss_row(quick: bool) -> Row:
+    """growing_arrays.py in two fresh child Pythons (cpu pool, handler installed): resident
+    memory at the end with expandable segments against the classic policy."""
+    import json
+    import subprocess
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "growing_arrays.py")
+    results = {}
+    for name, conf in (("classic", ""), ("expandable", EXPANDABLE[1])):
+        env = dict(os.environ, VRAMKIT_ALLOC_CONF=conf, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        out = subprocess.run([sys.executable, script] + (["--quick"] if quick else []), env=env, check=True,
+                             capture_output=True, text=True).stdout
+        results[name] = json.loads(out.strip().splitlines()[-1])
+    c, e = results["classic"], results["expandable"]
+    ratio = e["rss_end"] / c["rss_end"]
+    return Row(
+        benchmark="cpu: NumPy arrays grown by np.concatenate, resident memory at the end, expandable vs classic",
+        vramkit=float(e["rss_end"]), vramkit_text=f"{fmt_bytes(e['rss_end'])} RSS ({fmt_bytes(e['reserved_end'])} reserved)",
+        peer_name="classic policy", peer=float(c["rss_end"]),
+        peer_text=f"{fmt_bytes(c['rss_end'])} RSS ({fmt_bytes(c['reserved_end'])} reserved)",
+        ratio=ratio, ratio_text=f"{ratio:.2f}x the classic RSS", target="(report)", met=None,
+        checks={"same result": c["checksum"] == e["checksum"]},
+        detail={"classic": c, "expandable": e},
+    )
 
 
 def run(quick: bool = False) -> list[Row]:
     steps = 12 if quick else 400
     trace, lengths = build_trace(steps)
-    configs = [("defaults", {}, True), (f"max_split_size_mb={MAX_SPLIT_MB}", {"max_split_size_mb": MAX_SPLIT_MB}, False)]
-    rows = [measure(trace, label, options, target) for label, options, target in configs]
-    for (label, options, _), row in zip(configs, list(rows)):
+    rows = [measure(trace, label, options, TRAINING_TARGETS.get(label)) for label, _, options in CONFIGS]
+    for (label, _, options), row in zip(CONFIGS, list(rows)):
         allocated = int(row.peer)
         capacity, stats = smallest_capacity(trace, options, lo=allocated - 1, hi=DEVICE_BYTES)
         ratio = capacity / allocated
@@ -367,7 +466,7 @@ def run(quick: bool = False) -> list[Row]:
     for row in rows:
         row.detail.update(steps=steps, seq_len_min=min(lengths), seq_len_max=max(lengths),
                           seq_len_median=float(np.median(lengths)))
-    return rows + serving_rows(quick)
+    return rows + serving_rows(quick) + [pair_cost_row(quick), numpy_rss_row(quick)]
 
 
 if __name__ == "__main__":

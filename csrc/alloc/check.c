@@ -34,9 +34,11 @@ static vram_status_t check_block(const vram_pool_t *pool, const vram__segment_t 
     if (b->size == 0 || b->size % VRAM_MIN_BLOCK) return CORRUPT("block 0x%llx has size %llu, not a positive multiple of 512", a, (unsigned long long)b->size);
     if (b->next && b->next->prev != b) return CORRUPT("block 0x%llx: next->prev does not point back", a);
     int awaiting = b->event_count > 0;
-    if (b->allocated + b->in_index + awaiting != 1)
-        return CORRUPT("block 0x%llx is in %d states (allocated %d, free %d, awaiting %d); it must be in exactly one",
-                       a, b->allocated + b->in_index + awaiting, b->allocated, b->in_index, awaiting);
+    if (b->allocated + b->in_index + awaiting + b->unmapped != 1)
+        return CORRUPT("block 0x%llx is in %d states (allocated %d, free %d, awaiting %d, unmapped %d); it must be in "
+                       "exactly one", a, b->allocated + b->in_index + awaiting + b->unmapped, b->allocated, b->in_index,
+                       awaiting, b->unmapped);
+    if (b->unmapped && !seg->expandable) return CORRUPT("block 0x%llx is unmapped outside an expandable segment", a);
     if (b->event_count < 0) return CORRUPT("block 0x%llx has a negative event count", a);
     if ((uint64_t)b->event_count != pending_for(pool, b))
         return CORRUPT("block 0x%llx counts %d events but %llu are queued", a, b->event_count,
@@ -60,7 +62,7 @@ static vram_status_t check_block(const vram_pool_t *pool, const vram__segment_t 
     }
     if (b->in_index) {
         rc->free_blocks++;
-        if (vram__is_split(b)) {
+        if (vram__is_split(b) && !seg->expandable) { /* PyTorch leaves expandable segments out */
             rc->inactive_split++;
             rc->inactive_split_bytes += (int64_t)b->size;
         }
@@ -101,10 +103,16 @@ static vram_status_t check_locked(vram_pool_t *pool) {
         unsigned long long sa = (unsigned long long)seg->addr;
         if (seg->prev != prev_seg) return CORRUPT("segment list links broken at 0x%llx", sa);
         if (!seg->head || seg->head->prev) return CORRUPT("segment 0x%llx has no proper first block", sa);
-        if (seg->is_small && seg->size != VRAM_SMALL_BUFFER) return CORRUPT("small-pool segment 0x%llx has size %llu, not 2 MiB", sa, (unsigned long long)seg->size);
+        if (seg->is_small && !seg->expandable && seg->size != VRAM_SMALL_BUFFER) return CORRUPT("small-pool segment 0x%llx has size %llu, not 2 MiB", sa, (unsigned long long)seg->size);
         recount_t *r = &rc[seg->is_small ? 1 : 0];
-        r->segment++;
-        r->reserved_bytes += (int64_t)seg->size;
+        if (seg->expandable) { /* reserved = mapped pages; PyTorch's segment counter leaves them out */
+            if ((status = vram__expandable_check(seg)) != VRAM_OK) return status;
+            if (seg->oversize) return CORRUPT("expandable segment 0x%llx is counted as oversize", sa);
+            r->reserved_bytes += (int64_t)seg->mapped;
+        } else {
+            r->segment++;
+            r->reserved_bytes += (int64_t)seg->size;
+        }
         if (seg->oversize) oversize_segs++;
         uintptr_t expect = seg->addr;
         for (const vram__block_t *b = seg->head; b; b = b->next) {

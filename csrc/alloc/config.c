@@ -3,7 +3,8 @@
  *
  * Accepted keys are PyTorch's where they apply (max_split_size_mb, roundup_power2_divisions,
  * garbage_collection_threshold, max_non_split_rounding_mb, per_process_memory_fraction,
- * backend:native, expandable_segments:False) plus memory_limit_mb for an absolute cap, and
+ * backend:native, expandable_segments) plus memory_limit_mb for an absolute cap,
+ * expandable_page_mb for the large pool's page in expandable segments, and
  * the host_* keys of the cpu pool (named like PyTorch's pinned_* host-allocator keys, and
  * like them ignored by device pools when they come from the environment).
  * Parsing fills a copy, so a malformed string leaves the settings untouched. */
@@ -21,7 +22,7 @@
 #define ALLOWED_KEYS                                                                          \
     "max_split_size_mb, max_non_split_rounding_mb, roundup_power2_divisions, "                 \
     "garbage_collection_threshold, per_process_memory_fraction, memory_limit_mb, backend, " \
-    "expandable_segments, and for the cpu pool host_memory_check, host_reserve_mb, "         \
+    "expandable_segments, expandable_page_mb, and for the cpu pool host_memory_check, host_reserve_mb, "         \
     "host_page_release_mb, host_lazy_free, host_cache_limit_mb, host_cache_limit_fraction"
 
 /* Host-pool defaults, documented in the README:
@@ -54,6 +55,10 @@ void vram__settings_default(vram_settings_t *s, int host) {
     s->host_cache_limit_bytes = VRAM_NO_LIMIT;
     s->host_cache_limit_fraction = host ? HOST_CACHE_FRACTION_DEFAULT : -1.0;
     s->host_cache_limit = UINT64_MAX;
+    s->expandable_segments = 0;
+    /* PyTorch maps large-pool pages of kLargeBuffer (20 MiB): each page is one cuMemCreate and
+     * one cuMemMap. On the host a page costs an mprotect, so 2 MiB (one huge page). */
+    s->expandable_page_size = host ? VRAM__PAGE_UNIT : VRAM_LARGE_BUFFER;
 }
 
 void vram__settings_update_allowed(vram_settings_t *s, uint64_t total_capacity) {
@@ -265,10 +270,18 @@ static vram_status_t apply_option(const char *key, const char *value, const char
             return vram__fail(VRAM_ERR_INVALID_ARG, "%s: backend must be 'native' (the only one vramkit has); got '%s'",
                               origin, value);
     } else if (!strcmp(key, "expandable_segments")) {
-        if (strcmp(value, "False") != 0 && strcmp(value, "false") != 0)
+        int b;
+        if (parse_bool(value, &b) != 0)
+            return vram__fail(VRAM_ERR_INVALID_ARG, "%s: expandable_segments must be True or False; got '%s'", origin,
+                              value);
+        s->expandable_segments = b;
+    } else if (!strcmp(key, "expandable_page_mb")) {
+        uint64_t u;
+        if (parse_u64(value, &u) != 0 || u == 0 || u % 2 || u > 1024)
             return vram__fail(VRAM_ERR_INVALID_ARG,
-                              "%s: expandable_segments is not supported by vramkit yet; only 'False' is accepted, "
-                              "got '%s'", origin, value);
+                              "%s: expandable_page_mb must be an even number of MiB from 2 to 1024 (the mapping "
+                              "granularity of CUDA's virtual memory API is 2 MiB); got '%s'", origin, value);
+        s->expandable_page_size = u * MB;
     } else {
         return vram__fail(VRAM_ERR_INVALID_ARG, "%s: unrecognized option '%s'; allowed options: " ALLOWED_KEYS,
                           origin, key);

@@ -152,6 +152,19 @@ vram__block_t *vram__index_before(const vram__free_index_t *index, vram_stream_t
     return best;
 }
 
+vram__block_t *vram__index_after(const vram__free_index_t *index, const vram__block_t *block) {
+    vram__block_t *best = NULL;
+    for (vram__block_t *t = index->root; t;) {
+        if (block_less(block, t)) {
+            best = t;
+            t = t->left;
+        } else {
+            t = t->right;
+        }
+    }
+    return best;
+}
+
 /* Recursive walk with key bounds; depth is O(log n) expected, and this is the checker. */
 static vram_status_t check_subtree(const vram__block_t *t, const vram__block_t *lo, const vram__block_t *hi,
                                    uint64_t *count, int is_small) {

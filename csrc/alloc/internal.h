@@ -31,10 +31,12 @@ struct vram__block {
     vram_stream_t stream;        /* the segment's stream, copied here for the index key */
     vram__block_t *prev, *next;  /* physical neighbours within the segment */
     vram__segment_t *segment;
-    vram__block_t *left, *right; /* free-index links, meaningful while in_index */
+    vram__block_t *left, *right; /* free-index links while in_index; the segment's unmapped list
+                                  * (left = previous, right = next) while unmapped */
     uint32_t priority;           /* treap heap priority */
     uint8_t allocated;
     uint8_t in_index;
+    uint8_t unmapped;            /* expandable segments: addresses with no memory behind them */
     uint8_t oversize;            /* counted in oversize_allocations while allocated */
     int32_t event_count;         /* > 0 while awaiting other streams */
     vram_stream_t *stream_uses;  /* streams added by record_stream (malloc'd, rare) */
@@ -66,7 +68,14 @@ struct vram__segment {
     vram__block_t *head;         /* the lowest-addressed block */
     vram__segment_t *prev, *next;
     uint64_t freed_at;           /* pool->free_clock when it last became wholly free (LRU for the cache limit) */
-    uint64_t *clean, *lazy, *fresh; /* host pools: the unit bitmaps (NULL elsewhere) */
+    uint64_t *clean, *lazy, *fresh; /* host pools: the unit bitmaps (NULL elsewhere and on expandable
+                                     * segments, which unmap free pages instead) */
+    /* Expandable segments: `size` is the reserved address range, tiled by blocks as usual plus
+     * unmapped blocks (page-aligned, never two adjacent); reserved bytes count only `mapped`. */
+    uint8_t expandable;
+    uint64_t page;               /* mapping granularity */
+    uint64_t mapped;             /* bytes mapped */
+    vram__block_t *unmapped;     /* the unmapped blocks, unordered (linked through left/right) */
 };
 
 /* The free blocks of one pool kind, ordered by (stream, size, address) as PyTorch's
@@ -161,6 +170,8 @@ vram__block_t *vram__index_lower_bound(const vram__free_index_t *index, vram_str
 /* Largest block whose key is < (stream, size, addr). */
 vram__block_t *vram__index_before(const vram__free_index_t *index, vram_stream_t stream, uint64_t size,
                                   uintptr_t addr);
+/* The next block in key order after `block` (in the index), or NULL. */
+vram__block_t *vram__index_after(const vram__free_index_t *index, const vram__block_t *block);
 /* Verify order and heap shape; returns the node count through *count, or a status. */
 vram_status_t vram__index_check(const vram__free_index_t *index, uint64_t *count);
 
@@ -228,8 +239,10 @@ static inline vram__free_index_t *vram__index_for(vram_pool_t *pool, int is_smal
     return is_small ? &pool->small : &pool->large;
 }
 static inline int vram__is_split(const vram__block_t *block) { return block->prev || block->next; }
+/* A segment that is one free block: the classic policy releases such segments whole.
+ * Expandable segments release page by page instead (expandable.c). */
 static inline int vram__is_whole_free(const vram__block_t *block) {
-    return block->in_index && !block->prev && !block->next;
+    return block->in_index && !block->prev && !block->next && !block->segment->expandable;
 }
 
 /* release.c (pool lock held) */
@@ -297,6 +310,26 @@ static inline void vram__whole_free_count(vram_pool_t *pool, const vram__segment
         pool->whole_free_bytes -= seg->size;
     }
 }
+
+/* expandable.c (pool lock held): PyTorch's expandable segments. */
+/* Map pages for a free block of at least `rounded` bytes on (stream, pool kind): extend a free
+ * block with the unmapped space after it, map a hole, or reserve a new range. *out is in the
+ * free index. VRAM_ERR_OOM (no message) when the device, the limit or the host has no room. */
+vram_status_t vram__expandable_alloc(vram_pool_t *pool, int is_small, vram_stream_t stream, uint64_t rounded,
+                                     uint64_t context, int is_retry, vram__block_t **out);
+/* Unmap the whole pages inside a free block (it stays free around them). */
+void vram__expandable_unmap(vram_pool_t *pool, vram__block_t *block, uint64_t context);
+/* empty_cache for expandable segments: unmap every free page, release ranges left empty. */
+void vram__expandable_release_all(vram_pool_t *pool, uint64_t context);
+/* pool destruction: unmap what is mapped and release the range. */
+void vram__expandable_destroy(vram_pool_t *pool, vram__segment_t *seg);
+/* get_free_block's tie-break for an expandable block: PyTorch's walk to the next candidate
+ * whose size plus the unmapped space after it is smaller. */
+vram__block_t *vram__expandable_best(vram__free_index_t *index, vram__block_t *block);
+/* The mapped run around a block (for snapshots and block queries). */
+void vram__expandable_run(const vram__block_t *block, uintptr_t *addr, uint64_t *size);
+/* Verify a segment's unmapped blocks and mapped byte count. */
+vram_status_t vram__expandable_check(const vram__segment_t *seg);
 
 /* backends/sim.c: a simulated backend ctx (for vram_backend_sim()) whose addresses come from a
  * range of its own, starting at 2^48 like the shared one, instead of the process-wide range that

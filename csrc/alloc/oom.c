@@ -96,8 +96,17 @@ vram_status_t vram__report_oom(vram_pool_t *pool, uint64_t requested, uint64_t s
         if (pool->device.kind == VRAM_DEVICE_SIM) kind = name;
         snprintf(where, sizeof where, "Device %s", name);
     }
+    /* PyTorch's advice; with expandable segments on, free pages were already unmapped and the
+     * request retried, so what is left reserved is pages shared with live blocks. */
     char advice[1024] = "If reserved but unallocated memory is large try setting "
-                        "VRAMKIT_ALLOC_CONF=max_split_size_mb:<MiB> to avoid fragmentation.";
+                        "VRAMKIT_ALLOC_CONF=expandable_segments:True to avoid fragmentation.";
+    if (pool->settings.expandable_segments)
+        snprintf(advice, sizeof advice,
+                 "Expandable segments are on: every free page was unmapped before this error, and what is "
+                 "reserved but unallocated shares its %s pages with live blocks%s.",
+                 pool->settings.expandable_page_size > VRAM__PAGE_UNIT ? "large" : "2 MiB",
+                 pool->settings.expandable_page_size > VRAM__PAGE_UNIT
+                     ? " (VRAMKIT_ALLOC_CONF=expandable_page_mb:2 maps large-pool pages of 2 MiB)" : "");
     if (host_refused) describe_host_refusal(pool, segment_size, advice, sizeof advice);
     return vram__fail(VRAM_ERR_OOM,
                       "%s out of memory. Tried to allocate %s. %s has a total capacity of %s of which %s is free. "

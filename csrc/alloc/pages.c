@@ -183,6 +183,10 @@ vram_status_t vram__pages_check(const vram_pool_t *pool) {
     uint64_t clean = 0, reused = 0, fresh = 0;
     for (const vram__segment_t *seg = pool->segments; seg; seg = seg->next) {
         unsigned long long sa = (unsigned long long)seg->addr;
+        if (seg->expandable) { /* unmaps free pages instead of tracking units */
+            if (seg->clean) return CORRUPT("expandable segment 0x%llx has page units", sa);
+            continue;
+        }
         if (!seg->clean != !pool->host.tracked)
             return CORRUPT("segment 0x%llx %s page units, but its pool %s", sa, seg->clean ? "has" : "lacks",
                            pool->host.tracked ? "tracks them" : "does not track them");

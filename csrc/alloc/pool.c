@@ -15,6 +15,9 @@ vram_status_t vram_pool_create(const vram_backend_t *backend, void *backend_ctx,
     int host = backend->host_memory != NULL;
     vram__settings_default(&settings, host);
     vram_status_t status = vram__settings_parse(conf, "VRAMKIT_ALLOC_CONF", &settings, host, 0);
+    if (status == VRAM_OK && settings.expandable_segments && !backend->range_reserve)
+        status = vram__fail(VRAM_ERR_INVALID_ARG, "VRAMKIT_ALLOC_CONF: expandable_segments is not supported by the %s backend",
+                            backend->name);
     if (status != VRAM_OK) goto fail;
     uint64_t free_bytes = 0, total = 0;
     status = backend->mem_info(backend_ctx, &free_bytes, &total);
@@ -58,8 +61,12 @@ void vram_pool_destroy(vram_pool_t *pool) {
     vram__synchronize_and_free_events(pool);
     for (vram__segment_t *seg = pool->segments, *next; seg; seg = next) {
         next = seg->next;
-        vram__pages_drop(pool, seg);
-        pool->backend->segment_free(pool->ctx, seg->addr, seg->size);
+        if (seg->expandable) {
+            vram__expandable_destroy(pool, seg);
+        } else {
+            vram__pages_drop(pool, seg);
+            pool->backend->segment_free(pool->ctx, seg->addr, seg->size);
+        }
         free(seg);
     }
     vram__free_queues(pool);
@@ -82,6 +89,7 @@ static vram__block_t *get_free_block(vram_pool_t *pool, vram__free_index_t *inde
     index->lookups++;
     vram__block_t *block = vram__index_lower_bound(index, stream, rounded);
     if (!block || block->stream != stream) return NULL;
+    if (block->segment->expandable) block = vram__expandable_best(index, block);
     uint64_t max_split = pool->settings.max_split_size;
     /* Never hand an oversize block to a small request: it could not be split back. */
     if (rounded < max_split && block->size >= max_split) return NULL;
@@ -141,6 +149,14 @@ static vram_status_t alloc_segment(vram_pool_t *pool, int is_small, vram_stream_
     return VRAM_OK;
 }
 
+/* Memory the cache does not have: a new segment, or with expandable segments new pages. */
+static vram_status_t new_memory(vram_pool_t *pool, int is_small, vram_stream_t stream, uint64_t rounded,
+                                uint64_t seg_size, uint64_t context, int is_retry, vram__block_t **out) {
+    if (pool->settings.expandable_segments)
+        return vram__expandable_alloc(pool, is_small, stream, rounded, context, is_retry, out);
+    return alloc_segment(pool, is_small, stream, seg_size, context, is_retry, out);
+}
+
 /* The slow path, PyTorch's order: garbage-collect old cached blocks if over the threshold,
  * ask the backend, free oversize cached blocks and ask again, then release every cached
  * segment and ask a last time. Unlike PyTorch we look in the cache again after releasing:
@@ -150,23 +166,24 @@ static vram_status_t obtain_block(vram_pool_t *pool, vram__free_index_t *index, 
     uint64_t seg_size = vram__segment_size(rounded);
     int is_small = index->is_small;
     if (pool->settings.garbage_collection_threshold > 0.0) vram__garbage_collect(pool, context);
-    vram_status_t status = alloc_segment(pool, is_small, stream, seg_size, context, 0, out);
+    vram_status_t status = new_memory(pool, is_small, stream, rounded, seg_size, context, 0, out);
     if (status == VRAM_ERR_OOM && vram__release_available_cached_blocks(pool, index, stream, rounded, context))
-        status = alloc_segment(pool, is_small, stream, seg_size, context, 0, out);
+        status = new_memory(pool, is_small, stream, rounded, seg_size, context, 0, out);
     if (status == VRAM_ERR_OOM) {
         vram__release_cached_blocks(pool, context);
         *out = get_free_block(pool, index, stream, rounded);
-        status = *out ? VRAM_OK : alloc_segment(pool, is_small, stream, seg_size, context, 1, out);
+        status = *out ? VRAM_OK : new_memory(pool, is_small, stream, rounded, seg_size, context, 1, out);
     }
     if (status == VRAM_ERR_OOM) return vram__report_oom(pool, requested, seg_size, stream, context);
     return status;
 }
 
 /* PyTorch's should_split: small-pool remainders of 512 B are worth keeping; large-pool ones
- * only above 1 MiB, and oversize blocks are never split. */
+ * only above 1 MiB, and oversize blocks are never split. In expandable segments every
+ * remainder of 512 B is split off: its free pages can be unmapped. */
 static int should_split(const vram_pool_t *pool, const vram__block_t *block, uint64_t size) {
     uint64_t remaining = block->size - size;
-    if (block->segment->is_small) return remaining >= VRAM_MIN_BLOCK;
+    if (block->segment->is_small || block->segment->expandable) return remaining >= VRAM_MIN_BLOCK;
     return size < pool->settings.max_split_size && remaining > VRAM_SMALL_SIZE;
 }
 
@@ -178,7 +195,7 @@ static vram__block_t *take_block(vram_pool_t *pool, vram__block_t *block, uint64
     int is_small = block->segment->is_small;
     vram__free_index_t *index = vram__index_for(pool, is_small);
     int64_t split_count = 0, split_bytes = 0; /* net change of inactive_split */
-    if (block->in_index && !vram__is_split(block)) vram__whole_free_count(pool, block->segment, 0);
+    if (vram__is_whole_free(block)) vram__whole_free_count(pool, block->segment, 0);
     if (vram__is_split(block)) {
         split_count--;
         split_bytes -= (int64_t)block->size;
@@ -201,8 +218,10 @@ static vram__block_t *take_block(vram_pool_t *pool, vram__block_t *block, uint64
     } else if (block->in_index) {
         vram__index_remove(index, block);
     }
-    vram__stat_array_change(pool->stats.inactive_split, is_small, split_count);
-    vram__stat_array_change(pool->stats.inactive_split_bytes, is_small, split_bytes);
+    if (!block->segment->expandable) { /* PyTorch leaves expandable segments out of inactive_split */
+        vram__stat_array_change(pool->stats.inactive_split, is_small, split_count);
+        vram__stat_array_change(pool->stats.inactive_split_bytes, is_small, split_bytes);
+    }
 
     block->allocated = 1;
     block->requested = requested;
@@ -301,21 +320,28 @@ void vram__free_block(vram_pool_t *pool, vram__block_t *block, uint64_t context)
     }
     block->num_stream_uses = 0;
     if (!merge_prev && !merge_next) vram__index_insert(index, block);
-    if (vram__is_split(block)) {
-        split_count++;
-        split_bytes += (int64_t)block->size;
-    } else {
-        vram__whole_free_count(pool, block->segment, 1);
-        block->segment->freed_at = ++pool->free_clock;
+    vram__segment_t *seg = block->segment;
+    if (!seg->expandable) {
+        if (vram__is_split(block)) {
+            split_count++;
+            split_bytes += (int64_t)block->size;
+        } else {
+            vram__whole_free_count(pool, seg, 1);
+            seg->freed_at = ++pool->free_clock;
+        }
+        vram__stat_array_change(pool->stats.inactive_split, is_small, split_count);
+        vram__stat_array_change(pool->stats.inactive_split_bytes, is_small, split_bytes);
     }
-    vram__stat_array_change(pool->stats.inactive_split, is_small, split_count);
-    vram__stat_array_change(pool->stats.inactive_split_bytes, is_small, split_bytes);
     vram__stat_array_decrease(pool->stats.active, is_small, 1);
     vram__stat_array_decrease(pool->stats.active_bytes, is_small, (int64_t)original_size);
     vram__stat_array_decrease(pool->stats.requested_bytes, is_small, (int64_t)block->requested);
     block->requested = 0;
     block->context = 0;
-    if (block->segment->clean) vram__pages_on_free(pool, block);
+    if (seg->clean) vram__pages_on_free(pool, block);
+    /* Host pools give a large free block's memory back; in an expandable segment that is
+     * unmapping its whole pages (the threshold is host_page_release, as for madvise). */
+    else if (seg->expandable && pool->host.tracked && block->size >= pool->settings.host_page_release)
+        vram__expandable_unmap(pool, block, context);
 }
 
 static vram_status_t unknown_pointer(const vram_pool_t *pool, const void *ptr) {
@@ -377,8 +403,14 @@ vram_status_t vram_block_query(vram_pool_t *pool, const void *ptr, vram_block_in
     out->size = block->size;
     out->requested_size = block->requested;
     out->stream = block->stream;
-    out->segment_address = block->segment->addr;
-    out->segment_size = block->segment->size;
+    if (block->segment->expandable) {
+        uintptr_t run_addr;
+        vram__expandable_run(block, &run_addr, &out->segment_size);
+        out->segment_address = run_addr;
+    } else {
+        out->segment_address = block->segment->addr;
+        out->segment_size = block->segment->size;
+    }
     out->is_small_pool = block->segment->is_small;
     vram__unlock(&pool->lock);
     return VRAM_OK;

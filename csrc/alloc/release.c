@@ -1,6 +1,7 @@
 /* release.c — giving cached segments back to the backend: empty_cache, the OOM retry
  * paths, and the garbage collector behind garbage_collection_threshold. Only segments that
- * are wholly free can go back: one live block pins its whole segment. */
+ * are wholly free can go back: one live block pins its whole segment. Expandable segments
+ * give back free pages instead (expandable.c); only empty_cache and the OOM ladder do. */
 #include "internal.h"
 
 #include <stdlib.h>
@@ -32,6 +33,7 @@ void vram__release_cached_blocks(vram_pool_t *pool, uint64_t context) {
         next = seg->next;
         if (vram__is_whole_free(seg->head)) vram__release_block(pool, seg->head, context);
     }
+    vram__expandable_release_all(pool, context);
 }
 
 vram_status_t vram_empty_cache(vram_pool_t *pool, uint64_t *released) {

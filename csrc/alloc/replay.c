@@ -173,8 +173,12 @@ vram_status_t vram_trace_replay(const uint8_t *kind, const int64_t *id, const ui
             r.peak_allocated_event = (int64_t)i;
             r.reserved_at_peak_allocated = res;
         }
-        if (res > r.peak_reserved) {
-            r.peak_reserved = res;
+        /* The pool's peak, not the value after the event: with expandable segments one malloc
+         * can map pages, fail to map more, unmap free pages and map again, so reserved memory
+         * can peak inside an event (the classic policy releases before it draws). */
+        uint64_t res_peak = (uint64_t)stats->reserved_bytes[VRAM_STAT_ALL].peak;
+        if (res_peak > r.peak_reserved) {
+            r.peak_reserved = res_peak;
             r.peak_reserved_event = (int64_t)i;
             r.allocated_at_peak_reserved = a;
             r.segments_at_peak_reserved = (uint64_t)stats->segment[VRAM_STAT_ALL].current;
@@ -193,8 +197,8 @@ vram_status_t vram_trace_replay(const uint8_t *kind, const int64_t *id, const ui
         r.num_ooms = (uint64_t)stats->num_ooms;
         r.num_device_alloc = (uint64_t)stats->num_device_alloc;
         r.num_device_free = (uint64_t)stats->num_device_free;
-        /* Reserved memory only falls before it rises within one event (the OOM ladder releases,
-         * then maps), so sampling after each event sees the pool's own peaks. Say so if not. */
+        /* Allocated memory only changes once per event, so sampling after each event sees the
+         * pool's own peak (and reserved is read from the pool's peak above). Say so if not. */
         if (r.peak_allocated != (uint64_t)stats->allocated_bytes[VRAM_STAT_ALL].peak ||
             r.peak_reserved != (uint64_t)stats->reserved_bytes[VRAM_STAT_ALL].peak)
             status = vram__fail(VRAM_ERR_CORRUPT,

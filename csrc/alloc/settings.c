@@ -37,10 +37,37 @@ vram_status_t vram_set_memory_limit(vram_pool_t *pool, uint64_t limit_bytes) {
     return VRAM_OK;
 }
 
+/* expandable_segments changes how every segment is laid out, so it changes only while no
+ * memory is in use: the cache (all of it free then) is released first, and the next
+ * allocation starts with the new layout. With blocks live the change is refused, naming the
+ * rule; nothing changes. */
+static vram_status_t switch_expandable(vram_pool_t *pool, const vram_settings_t *settings) {
+    if (settings->expandable_segments == pool->settings.expandable_segments) return VRAM_OK;
+    char name[32];
+    vram_device_format(pool->device, name, sizeof name);
+    if (settings->expandable_segments && !pool->backend->range_reserve)
+        return vram__fail(VRAM_ERR_INVALID_ARG, "expandable_segments is not supported by the %s backend of %s",
+                          pool->backend->name, name);
+    int64_t active = pool->stats.active[VRAM_STAT_ALL].current;
+    if (active > 0) {
+        char bytes[32];
+        vram_format_size((uint64_t)pool->stats.active_bytes[VRAM_STAT_ALL].current, bytes, sizeof bytes);
+        return vram__fail(VRAM_ERR_INVALID_ARG,
+                          "expandable_segments can be changed only while no memory is in use on %s, but %lld "
+                          "block%s (%s) %s allocated or awaiting other streams: free %s (and synchronize) first; "
+                          "the cache is then released and the new layout applies to the next allocation",
+                          name, (long long)active, active == 1 ? "" : "s", bytes, active == 1 ? "is" : "are",
+                          active == 1 ? "it" : "them");
+    }
+    vram__release_cached_blocks(pool, 0);
+    return VRAM_OK;
+}
+
 vram_status_t vram_configure(vram_pool_t *pool, const char *conf) {
     vram__lock(&pool->lock);
     vram_settings_t settings = pool->settings;
     vram_status_t status = vram__settings_parse(conf, "vramkit.configure", &settings, vram_pool_is_host(pool), 1);
+    if (status == VRAM_OK) status = switch_expandable(pool, &settings);
     if (status == VRAM_OK) {
         vram__settings_update_allowed(&settings, pool->total_capacity);
         pool->settings = settings;

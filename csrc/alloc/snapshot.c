@@ -13,16 +13,49 @@ static int by_address(const void *a, const void *b) {
     return (x->address > y->address) - (x->address < y->address);
 }
 
+/* Copy the blocks from `b` up to the next unmapped block (the whole segment when classic)
+ * as one snapshot segment; returns where the copy stopped. */
+static vram__block_t *copy_run(vram_snapshot_t *snap, const vram__segment_t *seg, vram__block_t *b,
+                               vram_snapshot_segment_t *s, uint64_t *bi) {
+    s->address = b->addr;
+    s->stream = seg->stream;
+    s->is_small = seg->is_small;
+    s->is_expandable = seg->expandable;
+    s->first_block = *bi;
+    for (; b && !b->unmapped; b = b->next, (*bi)++) {
+        vram_snapshot_block_t *o = &snap->blocks[*bi];
+        o->address = b->addr;
+        o->size = b->size;
+        o->requested_size = b->requested;
+        o->state = b->allocated ? 1u : (b->event_count > 0 ? 2u : 0u);
+        o->context = b->context;
+        s->total_size += b->size;
+        if (b->allocated) s->allocated_size += b->size;
+        if (b->allocated || b->event_count > 0) {
+            s->active_size += b->size;
+            s->requested_size += b->requested;
+        }
+    }
+    s->num_blocks = *bi - s->first_block;
+    return b;
+}
+
 vram_status_t vram_pool_snapshot(vram_pool_t *pool, vram_snapshot_t **out) {
     *out = NULL;
     vram_snapshot_t *snap = calloc(1, sizeof *snap);
     if (!snap) return vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory for a snapshot");
     snap->device = pool->device;
     vram__lock(&pool->lock);
+    /* An expandable segment is reported as PyTorch reports it: one segment per run of mapped
+     * blocks, unmapped space left out. */
     uint64_t nseg = 0, nblk = 0;
     for (vram__segment_t *seg = pool->segments; seg; seg = seg->next) {
-        nseg++;
-        for (vram__block_t *b = seg->head; b; b = b->next) nblk++;
+        if (!seg->expandable) nseg++;
+        for (vram__block_t *b = seg->head; b; b = b->next) {
+            if (b->unmapped) continue;
+            nblk++;
+            if (seg->expandable && (!b->prev || b->prev->unmapped)) nseg++;
+        }
     }
     const vram__history_t *h = &pool->history;
     uint64_t ntrace = h->written < h->capacity ? h->written : h->capacity;
@@ -35,27 +68,14 @@ vram_status_t vram_pool_snapshot(vram_pool_t *pool, vram_snapshot_t **out) {
         return vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory for a snapshot");
     }
     uint64_t bi = 0, si = 0;
-    for (vram__segment_t *seg = pool->segments; seg; seg = seg->next, si++) {
-        vram_snapshot_segment_t *s = &snap->segments[si];
-        s->address = seg->addr;
-        s->total_size = seg->size;
-        s->stream = seg->stream;
-        s->is_small = seg->is_small;
-        s->first_block = bi;
-        for (vram__block_t *b = seg->head; b; b = b->next, bi++) {
-            vram_snapshot_block_t *o = &snap->blocks[bi];
-            o->address = b->addr;
-            o->size = b->size;
-            o->requested_size = b->requested;
-            o->state = b->allocated ? 1u : (b->event_count > 0 ? 2u : 0u);
-            o->context = b->context;
-            if (b->allocated) s->allocated_size += b->size;
-            if (b->allocated || b->event_count > 0) {
-                s->active_size += b->size;
-                s->requested_size += b->requested;
+    for (vram__segment_t *seg = pool->segments; seg; seg = seg->next) {
+        for (vram__block_t *head = seg->head; head;) {
+            if (head->unmapped) {
+                head = head->next;
+                continue;
             }
+            head = copy_run(snap, seg, head, &snap->segments[si++], &bi);
         }
-        s->num_blocks = bi - s->first_block;
     }
     for (uint64_t i = 0; i < ntrace; i++) snap->trace[i] = h->entries[(h->written - ntrace + i) % h->capacity];
     vram__unlock(&pool->lock);

@@ -43,6 +43,47 @@ static vram_status_t cpu_segment_alloc(void *ctx, uint64_t size, vram_stream_t s
     return VRAM_OK;
 }
 
+/* Expandable segments on the host: a PROT_NONE, MAP_NORESERVE reservation costs address
+ * space only; mapping makes pages accessible (the kernel still finds them on first touch),
+ * and unmapping replaces them with a fresh PROT_NONE mapping, which frees them at once and
+ * keeps the addresses reserved. */
+static vram_status_t cpu_range_reserve(void *ctx, uint64_t size, uintptr_t *out) {
+    (void)ctx;
+    if (size > SIZE_MAX - SEGMENT_ALIGN) return VRAM_ERR_OOM;
+    size_t span = (size_t)size + SEGMENT_ALIGN;
+    void *p = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED)
+        return vram__fail(VRAM_ERR_OOM, "could not reserve %llu bytes of address space: %s",
+                          (unsigned long long)size, strerror(errno));
+    uintptr_t raw = (uintptr_t)p, start = (raw + SEGMENT_ALIGN - 1) & ~(SEGMENT_ALIGN - 1);
+    if (start > raw) munmap(p, start - raw);
+    if (raw + span > start + size) munmap((void *)(start + size), raw + span - (start + size));
+    *out = start;
+    return VRAM_OK;
+}
+
+static vram_status_t cpu_range_map(void *ctx, uintptr_t addr, uint64_t size, uint64_t page) {
+    (void)ctx;
+    (void)page;
+    if (mprotect((void *)addr, (size_t)size, PROT_READ | PROT_WRITE) != 0) return VRAM_ERR_OOM;
+#ifdef MADV_HUGEPAGE
+    (void)madvise((void *)addr, (size_t)size, MADV_HUGEPAGE);
+#endif
+    return VRAM_OK;
+}
+
+static vram_status_t cpu_range_unmap(void *ctx, uintptr_t addr, uint64_t size, uint64_t page) {
+    (void)ctx;
+    (void)page;
+    void *p = mmap((void *)addr, (size_t)size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+    return p == MAP_FAILED ? VRAM_ERR_BACKEND : VRAM_OK;
+}
+
+static void cpu_range_release(void *ctx, uintptr_t addr, uint64_t size) {
+    (void)ctx;
+    munmap((void *)addr, (size_t)size);
+}
+
 /* Set once MADV_FREE has been refused where MADV_DONTNEED works (kernels before 4.5):
  * MADV_DONTNEED from then on. */
 static atomic_int lazy_free_unsupported;
@@ -146,6 +187,10 @@ static const vram_backend_t cpu_backend = {
     .release_pages = cpu_release_pages,
     .host_memory = cpu_host_memory,
     .resident_bytes = cpu_resident_bytes,
+    .range_reserve = cpu_range_reserve,
+    .range_map = cpu_range_map,
+    .range_unmap = cpu_range_unmap,
+    .range_release = cpu_range_release,
 };
 
 const vram_backend_t *vram_backend_cpu(void) { return &cpu_backend; }

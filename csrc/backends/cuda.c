@@ -1,4 +1,5 @@
-/* cuda.c — the CUDA backend: cudaMalloc'd segments, real streams and events.
+/* cuda.c — the CUDA backend: cudaMalloc'd segments, real streams and events; expandable
+ * segments through the driver's virtual-memory API (cuda_vmm.c).
  *
  * Built only when setup.py finds nvcc (VRAMKIT_WITH_CUDA); the runtime is linked statically,
  * so the module imports on a machine without a driver and CUDA then reports 0 devices.
@@ -11,12 +12,15 @@
 #ifdef VRAMKIT_WITH_CUDA
 #include <cuda_runtime_api.h>
 
+#include "cuda_vmm.h"
+
 #define EVENT_CACHE 64 /* cudaEventCreate is costly under contention; reuse a few */
 
 typedef struct cuda_ctx {
     int device;
     cudaEvent_t cache[EVENT_CACHE];
     int cached;
+    size_t granularity; /* the driver's minimum mapping unit, 0 until range_map asks */
 } cuda_ctx_t;
 
 typedef struct device_guard {
@@ -137,6 +141,57 @@ static void cuda_event_destroy(void *ctx, void *event) {
     else (void)cudaEventDestroy((cudaEvent_t)event);
 }
 
+/* Expandable segments (cuda_vmm.c). The driver API works on the thread's current context,
+ * which the runtime makes current only lazily: on a thread new to CUDA, guard_enter finds the
+ * device already "current" and sets nothing, so make its primary context current here. */
+static vram_status_t vmm_enter(device_guard_t *g, const cuda_ctx_t *c) {
+    g->changed = 0;
+    vram_status_t status = vram__cuda_vmm_load();
+    if (status != VRAM_OK) return status;
+    cudaError_t err = guard_enter(g, c->device);
+    if (err == cudaSuccess && !g->changed && vram__cuda_vmm_no_context()) err = cudaSetDevice(c->device);
+    return err == cudaSuccess ? VRAM_OK : cuda_fail("cudaSetDevice", c, err);
+}
+
+static vram_status_t cuda_range_reserve(void *ctx, uint64_t size, uintptr_t *out) {
+    cuda_ctx_t *c = ctx;
+    device_guard_t g;
+    vram_status_t status = vmm_enter(&g, c);
+    if (status == VRAM_OK) status = vram__cuda_vmm_reserve(c->device, size, out);
+    guard_exit(&g);
+    return status;
+}
+
+static vram_status_t cuda_range_map(void *ctx, uintptr_t addr, uint64_t size, uint64_t page) {
+    cuda_ctx_t *c = ctx;
+    device_guard_t g;
+    vram_status_t status = vmm_enter(&g, c);
+    if (status == VRAM_OK) status = vram__cuda_vmm_map(c->device, &c->granularity, addr, size, page);
+    guard_exit(&g);
+    return status;
+}
+
+/* cudaFree waits for the device before freeing; cuMemUnmap does not (PyTorch synchronizes
+ * before it too), and the pool does not say which streams used these pages. Kernels still
+ * queued on a freed block must not run on unmapped memory, so wait for the whole device. */
+static vram_status_t cuda_range_unmap(void *ctx, uintptr_t addr, uint64_t size, uint64_t page) {
+    cuda_ctx_t *c = ctx;
+    device_guard_t g;
+    vram_status_t status = vmm_enter(&g, c);
+    cudaError_t err = status == VRAM_OK ? cudaDeviceSynchronize() : cudaSuccess;
+    if (err != cudaSuccess) status = cuda_fail("cudaDeviceSynchronize", c, err);
+    if (status == VRAM_OK) status = vram__cuda_vmm_unmap(c->device, addr, size, page);
+    guard_exit(&g);
+    return status;
+}
+
+static void cuda_range_release(void *ctx, uintptr_t addr, uint64_t size) {
+    cuda_ctx_t *c = ctx;
+    device_guard_t g;
+    if (vmm_enter(&g, c) == VRAM_OK) vram__cuda_vmm_release(addr, size);
+    guard_exit(&g);
+}
+
 static void cuda_destroy(void *ctx) {
     cuda_ctx_t *c = ctx;
     while (c->cached > 0) (void)cudaEventDestroy(c->cache[--c->cached]);
@@ -154,6 +209,10 @@ static const vram_backend_t cuda_backend = {
     .event_synchronize = cuda_event_synchronize,
     .event_destroy = cuda_event_destroy,
     .destroy = cuda_destroy,
+    .range_reserve = cuda_range_reserve,
+    .range_map = cuda_range_map,
+    .range_unmap = cuda_range_unmap,
+    .range_release = cuda_range_release,
 };
 
 const vram_backend_t *vram_backend_cuda(void) { return &cuda_backend; }

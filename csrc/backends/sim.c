@@ -35,10 +35,8 @@ typedef struct sim_ctx {
     uint64_t own_next;
 } sim_ctx_t;
 
-static vram_status_t sim_segment_alloc(void *ctx, uint64_t size, vram_stream_t stream, uintptr_t *out) {
-    (void)stream;
-    sim_ctx_t *s = ctx;
-    if (size > s->capacity - s->used) return VRAM_ERR_OOM;
+/* Take `size` bytes of addresses (2 MiB-aligned) from the ctx's range. */
+static vram_status_t draw_addresses(sim_ctx_t *s, uint64_t size, uintptr_t *out) {
     uint64_t aligned = (size + SIM_ALIGN - 1) / SIM_ALIGN * SIM_ALIGN;
     uint64_t addr = __atomic_load_n(s->next, __ATOMIC_RELAXED);
     do { /* advance only when the range fits, so a refused request consumes nothing */
@@ -49,13 +47,48 @@ static vram_status_t sim_segment_alloc(void *ctx, uint64_t size, vram_stream_t s
     } while (!__atomic_compare_exchange_n(s->next, &addr, addr + aligned, 0, __ATOMIC_RELAXED,
                                           __ATOMIC_RELAXED));
     *out = (uintptr_t)addr;
-    s->used += size;
     return VRAM_OK;
+}
+
+static vram_status_t sim_segment_alloc(void *ctx, uint64_t size, vram_stream_t stream, uintptr_t *out) {
+    (void)stream;
+    sim_ctx_t *s = ctx;
+    if (size > s->capacity - s->used) return VRAM_ERR_OOM;
+    vram_status_t status = draw_addresses(s, size, out);
+    if (status == VRAM_OK) s->used += size;
+    return status;
 }
 
 static void sim_segment_free(void *ctx, uintptr_t addr, uint64_t size) {
     (void)addr;
     ((sim_ctx_t *)ctx)->used -= size;
+}
+
+/* Expandable segments: a reservation only draws addresses; mapping counts against the
+ * capacity, so a 1 TiB device with 1 1/8 TiB ranges per stream costs no memory here. */
+static vram_status_t sim_range_reserve(void *ctx, uint64_t size, uintptr_t *out) {
+    return draw_addresses(ctx, size, out);
+}
+
+static vram_status_t sim_range_map(void *ctx, uintptr_t addr, uint64_t size, uint64_t page) {
+    (void)addr;
+    (void)page;
+    sim_ctx_t *s = ctx;
+    if (size > s->capacity - s->used) return VRAM_ERR_OOM;
+    s->used += size;
+    return VRAM_OK;
+}
+
+static vram_status_t sim_range_unmap(void *ctx, uintptr_t addr, uint64_t size, uint64_t page) {
+    (void)page;
+    sim_segment_free(ctx, addr, size);
+    return VRAM_OK;
+}
+
+static void sim_range_release(void *ctx, uintptr_t addr, uint64_t size) {
+    (void)ctx;
+    (void)addr;
+    (void)size; /* addresses are never reused */
 }
 
 static vram_status_t sim_mem_info(void *ctx, uint64_t *free_bytes, uint64_t *total_bytes) {
@@ -97,6 +130,10 @@ static const vram_backend_t sim_backend = {
     .event_synchronize = sim_event_synchronize,
     .event_destroy = sim_event_destroy,
     .destroy = sim_destroy,
+    .range_reserve = sim_range_reserve,
+    .range_map = sim_range_map,
+    .range_unmap = sim_range_unmap,
+    .range_release = sim_range_release,
 };
 
 const vram_backend_t *vram_backend_sim(void) { return &sim_backend; }

@@ -156,6 +156,20 @@ typedef struct vram_backend {
      * (mincore). Memory handed out but not yet touched is not in the kernel's figures; the
      * host check counts it as if it will be. A failure here is ignored by the pool. */
     vram_status_t (*resident_bytes)(void *ctx, uintptr_t addr, uint64_t size, uint64_t *bytes);
+    /* Expandable segments (NULL where the backend has none). A segment is an address range
+     * reserved with no memory behind it, in which memory is mapped and unmapped in whole
+     * pages as the pool needs, so freed space at its end can serve a larger request and free
+     * pages can be returned one by one. The pool calls them with page-aligned ranges:
+     *   range_reserve  reserve `size` bytes of addresses, aligned to 2 MiB; costs no memory;
+     *   range_map      back [addr, addr + size) with memory, `page` bytes per piece (the unit
+     *                  range_unmap later works in); all or nothing; VRAM_ERR_OOM without a
+     *                  message when the device has no room (the pool writes the OOM message);
+     *   range_unmap    give the memory of [addr, addr + size) back; the addresses stay reserved;
+     *   range_release  give back a reserved range that has nothing mapped. */
+    vram_status_t (*range_reserve)(void *ctx, uint64_t size, uintptr_t *out);
+    vram_status_t (*range_map)(void *ctx, uintptr_t addr, uint64_t size, uint64_t page);
+    vram_status_t (*range_unmap)(void *ctx, uintptr_t addr, uint64_t size, uint64_t page);
+    void (*range_release)(void *ctx, uintptr_t addr, uint64_t size);
 } vram_backend_t;
 
 /* The pool for a device, created on first use and kept for the life of the process (arrays
@@ -214,7 +228,8 @@ typedef struct vram_block_info {
 VRAM_API VRAM_NODISCARD vram_status_t vram_block_query(vram_pool_t *pool, const void *ptr,
                                                        vram_block_info_t *out);
 
-/* Release every cached segment that is wholly free (after waiting on outstanding events).
+/* Release every cached segment that is wholly free (after waiting on outstanding events); with
+ * expandable segments, unmap every free page and release ranges left with nothing mapped.
  * *released (may be NULL) receives the bytes returned to the backend. */
 VRAM_API VRAM_NODISCARD vram_status_t vram_empty_cache(vram_pool_t *pool, uint64_t *released);
 VRAM_API VRAM_NODISCARD vram_status_t vram_mem_get_info(vram_pool_t *pool, uint64_t *free_bytes,
@@ -246,6 +261,11 @@ typedef struct vram_settings {
     double host_cache_limit_fraction; /* configured cap as a fraction of total capacity; < 0: none */
     uint64_t host_cache_limit;        /* the effective cap on bytes in wholly free cached segments (what
                                        * empty_cache would release); UINT64_MAX: none */
+    /* expandable_segments: one growing address range per stream and pool kind, memory mapped in
+     * pages on demand (PyTorch's option). Needs a backend with the range_* operations. */
+    int expandable_segments;
+    uint64_t expandable_page_size;    /* the large pool's page (small pool: 2 MiB); default 20 MiB as
+                                       * PyTorch's on devices, 2 MiB on cpu (expandable_page_mb) */
 } vram_settings_t;
 VRAM_API VRAM_NODISCARD vram_status_t vram_get_settings(vram_pool_t *pool, vram_settings_t *out);
 
@@ -352,6 +372,8 @@ typedef enum vram_trace_action {
     VRAM_TRACE_SEGMENT_FREE = 4,
     VRAM_TRACE_OOM = 5,
     VRAM_TRACE_SNAPSHOT = 6, /* PyTorch's action, not recorded by vramkit yet */
+    VRAM_TRACE_SEGMENT_MAP = 7,   /* expandable segments: pages mapped (reserved bytes rise) */
+    VRAM_TRACE_SEGMENT_UNMAP = 8, /* expandable segments: pages unmapped (reserved bytes fall) */
 } vram_trace_action_t;
 
 typedef struct vram_trace_entry {
@@ -382,6 +404,8 @@ typedef struct vram_snapshot_segment {
     uint64_t address, total_size, allocated_size, active_size, requested_size;
     vram_stream_t stream;
     int is_small;
+    int is_expandable; /* a mapped run of an expandable segment, reported as PyTorch does: one
+                        * segment per contiguous mapped range */
     uint64_t first_block, num_blocks; /* a range in vram_snapshot_t.blocks, address order */
 } vram_snapshot_segment_t;
 

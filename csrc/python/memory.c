@@ -257,11 +257,14 @@ static PyObject *get_settings(PyObject *self, PyObject *args, PyObject *kwargs) 
         }
         PyList_SET_ITEM(divisions, i, d);
     }
-    PyObject *d = Py_BuildValue("{s:N,s:K,s:N,s:d,s:d,s:N,s:N}", "max_split_size", bytes_or_none(s.max_split_size),
-                                "max_non_split_rounding", (unsigned long long)s.max_non_split_rounding,
-                                "roundup_power2_divisions", divisions, "garbage_collection_threshold",
-                                s.garbage_collection_threshold, "memory_fraction", s.memory_fraction, "memory_limit",
-                                bytes_or_none(s.memory_limit), "allowed_bytes", bytes_or_none(s.allowed_bytes));
+    PyObject *d = Py_BuildValue("{s:N,s:K,s:N,s:d,s:d,s:N,s:N,s:O,s:K}", "max_split_size",
+                                bytes_or_none(s.max_split_size), "max_non_split_rounding",
+                                (unsigned long long)s.max_non_split_rounding, "roundup_power2_divisions", divisions,
+                                "garbage_collection_threshold", s.garbage_collection_threshold, "memory_fraction",
+                                s.memory_fraction, "memory_limit", bytes_or_none(s.memory_limit), "allowed_bytes",
+                                bytes_or_none(s.allowed_bytes), "expandable_segments",
+                                s.expandable_segments ? Py_True : Py_False, "expandable_page_size",
+                                (unsigned long long)s.expandable_page_size);
     if (!d || !vram_pool_is_host(pool)) return d;
     PyObject *fraction = s.host_cache_limit_fraction < 0 ? Py_NewRef(Py_None)
                                                          : PyFloat_FromDouble(s.host_cache_limit_fraction);

@@ -10,7 +10,9 @@
 
 static const char *const block_states[] = {"inactive", "active_allocated", "active_pending_free"};
 static const char *const trace_actions[] = {"alloc",        "free_requested", "free_completed", "segment_alloc",
-                                            "segment_free", "oom",            "snapshot"};
+                                            "segment_free", "oom",            "snapshot",       "segment_map",
+                                            "segment_unmap"};
+#define NUM_TRACE_ACTIONS (sizeof trace_actions / sizeof *trace_actions)
 
 /* Frames lists are shared between entries with the same context, so the pickle memoizes them. */
 static PyObject *frames_for(PyObject *cache, uint64_t context) {
@@ -60,7 +62,7 @@ static PyObject *segment_dict(const vram_snapshot_t *snap, const vram_snapshot_s
                          (unsigned long long)s->stream, "segment_type", s->is_small ? "small" : "large",
                          "segment_pool_id", 0, 0, "allocated_size", (unsigned long long)s->allocated_size,
                          "active_size", (unsigned long long)s->active_size, "requested_size",
-                         (unsigned long long)s->requested_size, "is_expandable", Py_False, "frames", frames,
+                         (unsigned long long)s->requested_size, "is_expandable", s->is_expandable ? Py_True : Py_False, "frames", frames,
                          "blocks", blocks);
 }
 
@@ -75,7 +77,7 @@ static int64_t epoch_offset_us(void) {
 static PyObject *trace_dict(const vram_trace_entry_t *e, PyObject *cache, int64_t offset_us) {
     PyObject *frames = frames_for(cache, e->context);
     if (!frames) return NULL;
-    const char *action = trace_actions[e->action < 7 ? e->action : 0];
+    const char *action = trace_actions[e->action < NUM_TRACE_ACTIONS ? e->action : 0];
     long long time_us = (long long)(e->time_ns / 1000) + offset_us;
     if (e->action == VRAM_TRACE_OOM)
         return Py_BuildValue("{s:s,s:K,s:K,s:L,s:N,s:K,s:(ii)}", "action", action, "size", (unsigned long long)e->size,

@@ -189,7 +189,15 @@ def _largest(probe: Callable[..., Probe], limit: int, target: int | None, target
     return lo, limit
 
 
-_ALLOCATOR_OPTIONS = ("max_split_size_mb:512", "max_split_size_mb:128", "garbage_collection_threshold:0.6")
+# Tried in this order, each replayed with PyTorch's policy for it (expandable segments with
+# PyTorch's 20 MiB pages); the first that fits is suggested, with what it costs.
+_ALLOCATOR_OPTIONS = (
+    ("expandable_segments:True", "none in memory; new pages are mapped as segments grow (the first steps are a "
+                                 "little slower) and tensors cannot be shared with other processes over CUDA IPC"),
+    ("max_split_size_mb:512", "none in memory; the allocator splits or frees cached blocks more often"),
+    ("max_split_size_mb:128", "none in memory; the allocator splits or frees cached blocks more often"),
+    ("garbage_collection_threshold:0.6", "none in memory; the allocator splits or frees cached blocks more often"),
+)
 
 
 def _suggest(probe: Callable[..., Probe], target: int, pred: Prediction, alloc_conf: Any) -> list[Suggestion]:
@@ -198,13 +206,14 @@ def _suggest(probe: Callable[..., Probe], target: int, pred: Prediction, alloc_c
     out: list[Suggestion] = []
     # Fragmentation: the live bytes would fit but the reserved segments do not.
     if pred.oom and pred.oom.get("allocated", 0) + pred.oom.get("size", 0) <= pred.usable:
-        for option in _ALLOCATOR_OPTIONS:
+        for option, cost in _ALLOCATOR_OPTIONS:
             base = _conf_text(alloc_conf)
+            if base and option.split(":")[0] in base:
+                continue  # the user's own setting stays
             conf = option if not base else f"{base},{option}"
             p = probe(target, conf)
             if p.fits:
-                out.append(Suggestion(f"PYTORCH_CUDA_ALLOC_CONF={conf}", {"alloc_conf": conf}, p.prediction,
-                                      "none in memory; the allocator splits or frees cached blocks more often"))
+                out.append(Suggestion(f"PYTORCH_CUDA_ALLOC_CONF={conf}", {"alloc_conf": conf}, p.prediction, cost))
                 break
     blocks = probe(target, alloc_conf, True).prediction.checkpointed_blocks
     found: dict[frozenset, int] = {}  # techniques (without accumulation) -> micro-batches needed

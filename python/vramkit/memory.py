@@ -182,8 +182,12 @@ def configure(device: DeviceLike = None, **options: Any) -> dict[str, Any]:
     Options use VRAMKIT_ALLOC_CONF's names (PyTorch's PYTORCH_CUDA_ALLOC_CONF names):
     max_split_size_mb, max_non_split_rounding_mb, roundup_power2_divisions (an int, or a
     mapping like {256: 1, 512: 2, ">": 8}), garbage_collection_threshold,
-    per_process_memory_fraction, memory_limit_mb. None resets max_split_size_mb and
-    memory_limit_mb. All or nothing: on error nothing changes.
+    per_process_memory_fraction, memory_limit_mb, expandable_segments (bool; one growing
+    address range per stream with memory mapped in pages on demand, as PyTorch's; it can be
+    changed only while no memory of the device is in use, and the change releases the cache)
+    and expandable_page_mb (the large pool's page in expandable segments: default 20 on
+    devices, as PyTorch's, 2 on cpu). None resets max_split_size_mb and memory_limit_mb. All
+    or nothing: on error nothing changes.
 
     The cpu pool also takes the host_* options (see the README): host_memory_check (bool),
     host_reserve_mb, host_page_release_mb (None: never), host_lazy_free (bool),

@@ -243,7 +243,8 @@ def replay(snapshot: Snapshot, device: int | None = None) -> MemoryReplay:
     """Rebuild allocated and reserved bytes over time from a snapshot's trace.
 
     Allocated bytes rise at 'alloc' and fall at 'free_requested' (as memory_allocated() does);
-    reserved bytes follow 'segment_alloc' and 'segment_free'. Both curves end at what the
+    reserved bytes follow 'segment_alloc' and 'segment_free' (with expandable segments,
+    'segment_map' and 'segment_unmap'). Both curves end at what the
     snapshot's segments hold now (active_allocated block sizes; segment total_size), whatever
     the ring buffer dropped.
     """
@@ -262,9 +263,9 @@ def replay(snapshot: Snapshot, device: int | None = None) -> MemoryReplay:
             d_alloc[i] = size
         elif action == "free_requested":
             d_alloc[i] = -size
-        elif action == "segment_alloc":
+        elif action in ("segment_alloc", "segment_map"):
             d_res[i] = size
-        elif action == "segment_free":
+        elif action in ("segment_free", "segment_unmap"):
             d_res[i] = -size
     allocated = [final_allocated - sum(d_alloc)]
     reserved = [final_reserved - sum(d_res)]

@@ -77,9 +77,11 @@ def test_c(tmp_path, test, mode):
     exe = build(tmp_path, test, MODES[mode])
     out = run(exe)
     if test == "test_random":
-        # 100,000 random operations on a simulated device and 25,000 on the cpu pool, checked
-        # against the C model and vram_pool_check after every one of them.
-        assert "100000 ops" in out and "0 violations" in out
+        # 100,000 random operations on a simulated device and 25,000 on the cpu pool, with
+        # classic and with expandable segments, checked against the C model and
+        # vram_pool_check after every one of them.
+        assert out.count("100000 ops") == 2 and out.count("25000 ops") == 2, out
+        assert "expandable segments:" in out and out.count(" 0 violations") == 4, out
 
 
 def _tsan_works(tmp_path) -> bool:

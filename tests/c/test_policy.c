@@ -206,7 +206,9 @@ static void test_configure_is_all_or_nothing(void) {
         "max_split_size_mb:64,no_such_option:1", /* the valid part must not apply either */
         "max_split_size_mb",
         "max_split_size_mb:",
-        "expandable_segments:True",
+        "expandable_segments:Maybe",
+        "expandable_page_mb:3",               /* pages are whole 2 MiB units */
+        "expandable_page_mb:0",
         "backend:cudaMallocAsync",
         "max_split_size_mb:64,,",
     };

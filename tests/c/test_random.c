@@ -5,7 +5,8 @@
  * the cpu pool) that the bytes of every live block survive all other operations.
  *
  * Usage: test_random [ops] [seed]. Runs on a small simulated device (so OOM and the release
- * paths are exercised) and on the real cpu pool. */
+ * paths are exercised) and on the real cpu pool, each with classic and with expandable
+ * segments. */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -184,15 +185,23 @@ int main(int argc, char **argv) {
     long ops = argc > 1 ? atol(argv[1]) : 100000;
     rng_state = argc > 2 ? strtoull(argv[2], NULL, 10) : 0x5EED1234ABCDull;
     if (!rng_state) rng_state = 1;
-    vram_pool_t *sim = make_sim_pool(1536 * MiB, NULL);
-    run(sim, ops, 0);
-    vram_pool_destroy(sim);
-    void *ctx;
-    vram_pool_t *cpu = NULL;
-    CHECK_OK(vram_backend_cpu_ctx(&ctx));
-    CHECK_OK(vram_pool_create(vram_backend_cpu(), ctx, (vram_device_t){VRAM_DEVICE_CPU, 0}, "max_split_size_mb:32", &cpu));
-    CHECK_OK(vram_set_memory_limit(cpu, 512 * MiB));
-    run(cpu, ops / 4, 1);
-    vram_pool_destroy(cpu);
+    /* Each pool twice: the classic policy, then expandable segments (PyTorch's pages of 20 MiB
+     * on the simulated device; on the cpu pool 2 MiB pages, unmapped when a free block of
+     * 4 MiB or more appears, so live bytes next to unmapped pages are checked too). */
+    const char *sim_confs[] = {NULL, "expandable_segments:True"};
+    const char *cpu_confs[] = {"max_split_size_mb:32", "max_split_size_mb:32,expandable_segments:True,host_page_release_mb:4"};
+    for (int e = 0; e < 2; e++) {
+        printf("%s\n", e ? "expandable segments:" : "classic segments:");
+        vram_pool_t *sim = make_sim_pool(1536 * MiB, sim_confs[e]);
+        run(sim, ops, 0);
+        vram_pool_destroy(sim);
+        void *ctx;
+        vram_pool_t *cpu = NULL;
+        CHECK_OK(vram_backend_cpu_ctx(&ctx));
+        CHECK_OK(vram_pool_create(vram_backend_cpu(), ctx, (vram_device_t){VRAM_DEVICE_CPU, 0}, cpu_confs[e], &cpu));
+        CHECK_OK(vram_set_memory_limit(cpu, 512 * MiB));
+        run(cpu, ops / 4, 1);
+        vram_pool_destroy(cpu);
+    }
     return harness_finish();
 }

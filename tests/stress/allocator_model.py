@@ -10,7 +10,8 @@ freed block still used by another stream, and checks after each operation that:
   equal to a recount).
 Block sizes can exceed the rounded request by an unsplit remainder: at most 1 MiB in the
 large pool (PyTorch splits remainders above 1 MiB), or max_non_split_rounding for oversize
-blocks when max_split_size is set.
+blocks when max_split_size is set; with expandable segments, never (every remainder of 512 B
+or more is split off).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class AllocatorModel:
     device: str
     touch_memory: bool
     max_split: int | None = None
+    expandable: bool = False  # expandable segments split every remainder of 512 B or more
     live: dict[int, Live] = field(default_factory=dict)
     pending: dict[int, tuple[Live, int]] = field(default_factory=dict)  # ptr -> (block, stream it waits on)
     starts: list[int] = field(default_factory=list)  # sorted starts of live + pending blocks
@@ -96,7 +98,7 @@ class AllocatorModel:
         info = vramkit._C.block_info(ptr)
         rounded, small = round512(nbytes), round512(nbytes) <= SMALL
         slack = info["size"] - rounded
-        allowed = 0 if small else (20 * MiB if self.max_split and rounded >= self.max_split else SMALL)
+        allowed = 0 if small or self.expandable else (20 * MiB if self.max_split and rounded >= self.max_split else SMALL)
         if info["requested_size"] != nbytes or info["stream"] != stream or slack < 0 or slack > allowed:
             self.violations.append(f"alloc({nbytes}) gave {info}")
         if info["pool"] != ("small" if small else "large") or info["size"] % 512:

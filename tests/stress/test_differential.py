@@ -1,5 +1,5 @@
 """Randomized differential test: 100,000 random operations on a simulated device and on the
-real cpu pool (alloc of 1 B to 64 MiB on three streams, free, record_stream on a fourth and
+real cpu pool, each with the classic policy and with expandable segments (alloc of 1 B to 64 MiB on three streams, free, record_stream on a fourth and
 fifth stream, synchronize, empty_cache, limit changes and bad input), each checked against a
 plain Python model and vramkit.pool_check(). Zero violations are allowed. A Hypothesis state
 machine drives the same model with shrinking, so a failure comes with a minimal sequence.
@@ -53,33 +53,51 @@ def run_random(model: AllocatorModel, ops: int, seed: int) -> None:
 
 
 @pytest.mark.slow
-def test_sim_differential():
+@pytest.mark.parametrize("expandable", [False, True], ids=["classic", "expandable"])
+def test_sim_differential(expandable):
     device = vramkit.sim.create(1536 * MiB)
-    model = AllocatorModel(device, touch_memory=False)
+    if expandable:
+        vramkit.configure(device, expandable_segments=True)
+    model = AllocatorModel(device, touch_memory=False, expandable=expandable)
     run_random(model, OPS, seed=20261122)
     assert model.ooms > 0  # the limits and capacity made the OOM path run too
+    if expandable:  # pages were mapped and unmapped, never whole segments
+        s = vramkit.memory_stats(device)
+        assert s["num_device_free"] > 0 and s["segment.all.peak"] == 0, s
 
 
 @pytest.mark.slow
-def test_cpu_differential():
+@pytest.mark.parametrize("expandable", [False, True], ids=["classic", "expandable"])
+def test_cpu_differential(expandable):
     # Exercise the oversize rules on real memory. The model is PyTorch's policy, which has no
     # host cache limit: lift it, so a machine with little RAM gives the same sequence. Pages
-    # are still given back (64 MiB blocks) and checked by pool_check after every step.
-    before = vramkit.get_settings("cpu")["host_cache_limit_fraction"]
+    # are still given back (64 MiB blocks; with expandable segments 8 MiB, unmapped) and
+    # checked by pool_check after every step; the model checks the bytes of live blocks.
+    before = vramkit.get_settings("cpu")
     vramkit.configure("cpu", max_split_size_mb=32, host_cache_limit_fraction=None)
+    if expandable:
+        vramkit.configure("cpu", expandable_segments=True, host_page_release_mb=8)
     try:
-        model = AllocatorModel("cpu", touch_memory=True, max_split=32 * MiB)
+        model = AllocatorModel("cpu", touch_memory=True, max_split=32 * MiB, expandable=expandable)
         run_random(model, OPS, seed=7)
+        if expandable:
+            assert vramkit.memory_stats("cpu")["num_device_free"] > 0
     finally:
-        vramkit.configure("cpu", max_split_size_mb=None, host_cache_limit_fraction=before)
+        vramkit.configure("cpu", max_split_size_mb=None, host_cache_limit_fraction=before["host_cache_limit_fraction"],
+                          host_page_release_mb=before["host_page_release"] >> 20, expandable_segments=False)
 
 
 class AllocatorMachine(RuleBasedStateMachine):
     """The same model, driven by Hypothesis so that failures shrink to a short sequence."""
 
+    expandable = False
+
     def __init__(self):
         super().__init__()
-        self.model = AllocatorModel(vramkit.sim.create(256 * MiB), touch_memory=False)
+        device = vramkit.sim.create(256 * MiB)
+        if self.expandable:
+            vramkit.configure(device, expandable_segments=True)
+        self.model = AllocatorModel(device, touch_memory=False, expandable=self.expandable)
 
     @rule(nbytes=st.integers(1, 64 * MiB) | st.integers(1, 4096), stream=st.integers(0, 2))
     def alloc(self, nbytes, stream):
@@ -113,5 +131,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert not self.model.violations, self.model.violations[:5]
 
 
+class ExpandableAllocatorMachine(AllocatorMachine):
+    expandable = True
+
+
 TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(max_examples=40, stateful_step_count=60, deadline=None)
+TestExpandableAllocatorMachine = ExpandableAllocatorMachine.TestCase
+TestExpandableAllocatorMachine.settings = settings(max_examples=40, stateful_step_count=60, deadline=None)

@@ -141,3 +141,47 @@ def test_cuda_differential(gpu):
         assert not model.violations, model.violations[:5]
     model.drain()
     assert not model.violations
+
+
+@pytest.mark.slow
+def test_cuda_expandable_differential(gpu):
+    """expandable_segments on a real GPU: the differential model with every live block stamped
+    on the device (an unmapped page under a live block would fault or lose the stamp), and
+    cudaMemGetInfo following reserved bytes as pages are mapped and unmapped."""
+    from allocator_model import AllocatorModel
+
+    vramkit.configure(gpu, expandable_segments=True)
+    try:
+        free0, _ = vramkit.mem_get_info(gpu)
+        model = AllocatorModel(gpu, touch_memory=False, expandable=True)
+        stamps = {}
+        rng = random.Random(12)
+        for op in range(20_000):
+            r = rng.random()
+            if r < 0.5 and len(model.live) < 150:
+                nbytes = 4 * (1 + rng.randrange(1 << rng.randrange(27)) // 4)
+                before = set(model.live)
+                model.alloc(nbytes, 0)
+                for ptr in set(model.live) - before:
+                    _C._cuda_fill_pattern(ptr, nbytes, op, 0)
+                    stamps[ptr] = (nbytes, op)
+            elif r < 0.98 and model.live:
+                ptr = rng.choice(list(model.live))
+                nbytes, seed = stamps.pop(ptr)
+                assert _C._cuda_count_mismatches(ptr, nbytes, seed, 0) == 0
+                model.free(ptr, None)
+            else:
+                model.empty_cache()
+            model.check(f"op {op}")
+            assert not model.violations, model.violations[:5]
+            if op % 1000 == 0:  # the device sees the mapped pages (driver granularity aside)
+                free, _ = vramkit.mem_get_info(gpu)
+                assert abs((free0 - free) - vramkit.memory_reserved(gpu)) <= 64 * MiB
+        for ptr, (nbytes, seed) in stamps.items():
+            assert _C._cuda_count_mismatches(ptr, nbytes, seed, 0) == 0
+        model.drain()
+        assert not model.violations
+        free, _ = vramkit.mem_get_info(gpu)
+        assert vramkit.memory_reserved(gpu) == 0 and abs(free - free0) <= 64 * MiB
+    finally:
+        vramkit.configure(gpu, expandable_segments=False)

@@ -1,0 +1,324 @@
+/* expandable.c — PyTorch's expandable segments (expandable_segments:True).
+ *
+ * Why: under the classic policy a segment is one backend allocation, and a free block can
+ * serve only requests that fit inside it. A workload whose tensors grow (a KV cache
+ * reallocated larger every few tokens) leaves free blocks too small for the next request
+ * while reserving them: "6 GiB reserved by PyTorch but unallocated". Here each (stream, pool
+ * kind) has one large reserved address range with memory mapped in pages as needed, so a
+ * request that does not fit the free block at the end of the mapped space extends it by
+ * mapping the pages after it, and empty_cache can give back each free page, not only whole
+ * segments.
+ *
+ * Layout: blocks tile the whole reserved range as usual; blocks with no memory behind them
+ * are `unmapped` (page-aligned, never two adjacent, on a per-segment list). A free mapped
+ * block and an unmapped block may be neighbours; they never merge. Reserved bytes count
+ * mapped pages only; the `segment` counter and inactive_split leave expandable segments
+ * out, as PyTorch's do (a free page of an expandable segment can always be released). */
+#include "internal.h"
+
+#include <stdlib.h>
+
+#include "../util/error.h"
+
+/* vram_malloc reserves the block structs its split needs before the slow path runs; the
+ * structs taken here come on top of those, so every reservation here keeps them spare. */
+#define CALLER_SPARES 2
+
+static uint64_t round_up(uint64_t value, uint64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+static void unmapped_link(vram__segment_t *seg, vram__block_t *b) {
+    b->unmapped = 1;
+    b->left = NULL;
+    b->right = seg->unmapped;
+    if (seg->unmapped) seg->unmapped->left = b;
+    seg->unmapped = b;
+}
+
+static void unmapped_unlink(vram__segment_t *seg, vram__block_t *b) {
+    if (b->left) b->left->right = b->right;
+    else seg->unmapped = b->right;
+    if (b->right) b->right->left = b->left;
+    b->left = b->right = NULL;
+    b->unmapped = 0;
+}
+
+/* Remove `gone` (the block just before `b`) from the chain; b takes its start. */
+static void absorb_prev(vram_pool_t *pool, vram__block_t *b, vram__block_t *gone) {
+    b->addr = gone->addr;
+    b->size += gone->size;
+    b->prev = gone->prev;
+    if (b->prev) b->prev->next = b;
+    else b->segment->head = b;
+    vram__block_delete(pool, gone);
+}
+
+static void absorb_next(vram_pool_t *pool, vram__block_t *b, vram__block_t *gone) {
+    b->size += gone->size;
+    b->next = gone->next;
+    if (b->next) b->next->prev = b;
+    vram__block_delete(pool, gone);
+}
+
+/* A new block of [addr, addr + size) linked into b's chain after b (after = 1) or before it. */
+static vram__block_t *splice_new(vram_pool_t *pool, vram__block_t *b, uintptr_t addr, uint64_t size, int after) {
+    vram__block_t *n = vram__block_new(pool);
+    n->addr = addr;
+    n->size = size;
+    n->stream = b->stream;
+    n->segment = b->segment;
+    if (after) {
+        n->prev = b;
+        n->next = b->next;
+        if (n->next) n->next->prev = n;
+        b->next = n;
+    } else {
+        n->next = b;
+        n->prev = b->prev;
+        if (n->prev) n->prev->next = n;
+        else b->segment->head = n;
+        b->prev = n;
+    }
+    return n;
+}
+
+/* Reserve a new range for (stream, pool kind): 1 1/8 of the device, as PyTorch does, so pages
+ * can still be mapped past holes that live blocks pin; larger if one request needs it. */
+static vram_status_t reserve_segment(vram_pool_t *pool, int is_small, vram_stream_t stream, uint64_t rounded,
+                                     vram__block_t **out) {
+    if (!pool->backend->range_reserve)
+        return vram__fail(VRAM_ERR_INVALID_ARG, "expandable_segments is not supported by the %s backend",
+                          pool->backend->name);
+    uint64_t page = is_small ? VRAM_SMALL_BUFFER : pool->settings.expandable_page_size;
+    uint64_t total = pool->total_capacity;
+    uint64_t size = round_up(total + total / 8, page);
+    if (size < round_up(rounded, page)) size = round_up(rounded, page);
+    vram_status_t status = vram__reserve_blocks(pool, 1 + CALLER_SPARES);
+    if (status != VRAM_OK) return status;
+    vram__segment_t *seg = calloc(1, sizeof *seg);
+    if (!seg) return vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory for allocator bookkeeping");
+    uintptr_t addr = 0;
+    status = pool->backend->range_reserve(pool->ctx, size, &addr);
+    if (status != VRAM_OK) {
+        free(seg);
+        return status;
+    }
+    vram__block_t *b = vram__block_new(pool);
+    b->addr = addr;
+    b->size = size;
+    b->stream = stream;
+    b->segment = seg;
+    seg->addr = addr;
+    seg->size = size;
+    seg->stream = stream;
+    seg->is_small = (uint8_t)is_small;
+    seg->expandable = 1;
+    seg->page = page;
+    seg->head = b;
+    unmapped_link(seg, b);
+    seg->next = pool->segments;
+    if (pool->segments) pool->segments->prev = seg;
+    pool->segments = seg;
+    *out = b;
+    return VRAM_OK;
+}
+
+/* Map the first `size` bytes (rounded up to pages) of an unmapped block and merge them with
+ * the free blocks around them; *out is the resulting free block, in the index. */
+static vram_status_t map_block(vram_pool_t *pool, vram__block_t *b, uint64_t size, uint64_t context,
+                               vram__block_t **out) {
+    vram__segment_t *seg = b->segment;
+    uint64_t len = round_up(size, seg->page);
+    if (len > b->size) len = b->size;
+    uint64_t reserved = (uint64_t)pool->stats.reserved_bytes[VRAM_STAT_ALL].current;
+    if (len > pool->settings.allowed_bytes || reserved > pool->settings.allowed_bytes - len)
+        return VRAM_ERR_OOM; /* over the fraction or limit: the caller reports it */
+    vram_status_t status = vram__host_check_room(pool, len);
+    if (status == VRAM_OK) status = vram__reserve_blocks(pool, 1 + CALLER_SPARES);
+    if (status == VRAM_OK) status = pool->backend->range_map(pool->ctx, b->addr, len, seg->page);
+    if (status != VRAM_OK) return status;
+    uintptr_t mapped_at = b->addr;
+    unmapped_unlink(seg, b);
+    if (len < b->size) {
+        unmapped_link(seg, splice_new(pool, b, b->addr + len, b->size - len, 1));
+        b->size = len;
+    }
+    vram__free_index_t *index = vram__index_for(pool, seg->is_small);
+    if (b->prev && b->prev->in_index) {
+        vram__index_remove(index, b->prev);
+        absorb_prev(pool, b, b->prev);
+    }
+    if (b->next && b->next->in_index) {
+        vram__index_remove(index, b->next);
+        absorb_next(pool, b, b->next);
+    }
+    vram__index_insert(index, b);
+    seg->mapped += len;
+    vram__stat_array_increase(pool->stats.reserved_bytes, seg->is_small, (int64_t)len);
+    pool->stats.num_device_alloc++;
+    vram__trace(pool, VRAM_TRACE_SEGMENT_MAP, mapped_at, len, seg->stream, context, 0);
+    *out = b;
+    return VRAM_OK;
+}
+
+static int allocatable(const vram__block_t *b) { return b && (b->in_index || b->unmapped); }
+
+static int has_room(const vram__block_t *b, uint64_t size) {
+    uint64_t bytes = 0;
+    for (; bytes < size && allocatable(b); b = b->next) bytes += b->size;
+    return bytes >= size;
+}
+
+/* PyTorch's find_expandable_block: the lowest address, on this stream and pool kind, where
+ * an unmapped block (with the free block before it, if any) and what follows it hold
+ * `rounded` bytes of free or unmapped space. */
+static vram__block_t *find_candidate(vram_pool_t *pool, int is_small, vram_stream_t stream, uint64_t rounded) {
+    vram__block_t *best = NULL;
+    for (vram__segment_t *seg = pool->segments; seg; seg = seg->next) {
+        if (!seg->expandable || seg->is_small != is_small || seg->stream != stream) continue;
+        for (vram__block_t *u = seg->unmapped; u; u = u->right) {
+            vram__block_t *c = u->prev && u->prev->in_index ? u->prev : u;
+            if ((!best || c->addr < best->addr) && has_room(c, rounded)) best = c;
+        }
+    }
+    return best;
+}
+
+vram_status_t vram__expandable_alloc(vram_pool_t *pool, int is_small, vram_stream_t stream, uint64_t rounded,
+                                     uint64_t context, int is_retry, vram__block_t **out) {
+    if (is_retry) pool->stats.num_alloc_retries++;
+    pool->host.rejected = 0; /* the OOM message describes the last attempt */
+    vram__block_t *c = find_candidate(pool, is_small, stream, rounded);
+    vram_status_t status = VRAM_OK;
+    if (!c) status = reserve_segment(pool, is_small, stream, rounded, &c);
+    if (status == VRAM_OK && c->unmapped) status = map_block(pool, c, c->size < rounded ? c->size : rounded, context, &c);
+    /* Now c is free and mapped; while it is short, the block after it is unmapped (free
+     * neighbours are always merged) and mapping part of it extends c. A failure leaves the
+     * pages mapped so far as free blocks, as PyTorch does. */
+    while (status == VRAM_OK && c->size < rounded) {
+        vram__block_t *next = c->next;
+        uint64_t remaining = rounded - c->size;
+        status = map_block(pool, next, remaining < next->size ? remaining : next->size, context, &c);
+    }
+    *out = status == VRAM_OK ? c : NULL;
+    return status;
+}
+
+void vram__expandable_unmap(vram_pool_t *pool, vram__block_t *b, uint64_t context) {
+    vram__segment_t *seg = b->segment;
+    uintptr_t begin = seg->addr + round_up(b->addr - seg->addr, seg->page);
+    uintptr_t end = seg->addr + (b->addr + b->size - seg->addr) / seg->page * seg->page;
+    if (begin >= end) return;
+    /* Failing here (no host memory for two block structs, or the backend refusing) leaves the
+     * pages mapped and the pool consistent: releasing memory is best effort. */
+    if (vram__reserve_blocks(pool, 2 + CALLER_SPARES) != VRAM_OK) return;
+    if (pool->backend->range_unmap(pool->ctx, begin, end - begin, seg->page) != VRAM_OK) return;
+    vram__free_index_t *index = vram__index_for(pool, seg->is_small);
+    vram__index_remove(index, b);
+    if (begin > b->addr) vram__index_insert(index, splice_new(pool, b, b->addr, begin - b->addr, 0));
+    if (end < b->addr + b->size) vram__index_insert(index, splice_new(pool, b, end, b->addr + b->size - end, 1));
+    b->addr = begin;
+    b->size = end - begin;
+    if (b->prev && b->prev->unmapped) {
+        unmapped_unlink(seg, b->prev);
+        absorb_prev(pool, b, b->prev);
+    }
+    if (b->next && b->next->unmapped) {
+        unmapped_unlink(seg, b->next);
+        absorb_next(pool, b, b->next);
+    }
+    unmapped_link(seg, b);
+    seg->mapped -= end - begin;
+    vram__stat_array_decrease(pool->stats.reserved_bytes, seg->is_small, (int64_t)(end - begin));
+    pool->stats.num_device_free++;
+    vram__trace(pool, VRAM_TRACE_SEGMENT_UNMAP, begin, end - begin, seg->stream, context, 0);
+}
+
+static void release_segment(vram_pool_t *pool, vram__segment_t *seg) {
+    pool->backend->range_release(pool->ctx, seg->addr, seg->size);
+    if (seg->prev) seg->prev->next = seg->next;
+    else pool->segments = seg->next;
+    if (seg->next) seg->next->prev = seg->prev;
+    vram__block_delete(pool, seg->head);
+    free(seg);
+}
+
+void vram__expandable_release_all(vram_pool_t *pool, uint64_t context) {
+    for (vram__segment_t *seg = pool->segments, *next; seg; seg = next) {
+        next = seg->next;
+        if (!seg->expandable) continue;
+        /* An unmap leaves b as the unmapped block (it absorbs unmapped neighbours only), so
+         * b->next is still the right place to go on. */
+        for (vram__block_t *b = seg->head; b; b = b->next)
+            if (b->in_index) vram__expandable_unmap(pool, b, context);
+        if (seg->head->unmapped && !seg->head->next) release_segment(pool, seg);
+    }
+}
+
+void vram__expandable_destroy(vram_pool_t *pool, vram__segment_t *seg) {
+    for (vram__block_t *b = seg->head; b;) {
+        if (b->unmapped) {
+            b = b->next;
+            continue;
+        }
+        uintptr_t start = b->addr;
+        while (b && !b->unmapped) b = b->next;
+        uintptr_t end = b ? b->addr : seg->addr + seg->size;
+        (void)pool->backend->range_unmap(pool->ctx, start, end - start, seg->page);
+    }
+    pool->backend->range_release(pool->ctx, seg->addr, seg->size);
+}
+
+vram__block_t *vram__expandable_best(vram__free_index_t *index, vram__block_t *block) {
+#define EXPANDABLE_SIZE(b) ((b)->size + ((b)->next && (b)->next->unmapped ? (b)->next->size : 0))
+    /* A free block followed by unmapped space can grow: for best fit it counts as the size it
+     * can grow to, so a request goes to a tighter block and leaves the growing one alone. */
+    for (vram__block_t *next = vram__index_after(index, block);
+         block->segment->expandable && next && next->stream == block->stream &&
+         EXPANDABLE_SIZE(next) < EXPANDABLE_SIZE(block);
+         next = vram__index_after(index, next))
+        block = next;
+    return block;
+#undef EXPANDABLE_SIZE
+}
+
+void vram__expandable_run(const vram__block_t *block, uintptr_t *addr, uint64_t *size) {
+    const vram__block_t *first = block, *last = block;
+    while (first->prev && !first->prev->unmapped) first = first->prev;
+    while (last->next && !last->next->unmapped) last = last->next;
+    *addr = first->addr;
+    *size = last->addr + last->size - first->addr;
+}
+
+vram_status_t vram__expandable_check(const vram__segment_t *seg) {
+    unsigned long long sa = (unsigned long long)seg->addr;
+    uint64_t mapped = 0, unmapped = 0;
+    if (!seg->page || seg->page % VRAM__PAGE_UNIT || seg->size % seg->page)
+        return vram__fail(VRAM_ERR_CORRUPT, "expandable segment 0x%llx: page %llu does not divide its size %llu", sa,
+                          (unsigned long long)seg->page, (unsigned long long)seg->size);
+    for (const vram__block_t *b = seg->head; b; b = b->next) {
+        if (!b->unmapped) {
+            mapped += b->size;
+            continue;
+        }
+        unmapped++;
+        if ((b->addr - seg->addr) % seg->page || b->size % seg->page)
+            return vram__fail(VRAM_ERR_CORRUPT, "unmapped block 0x%llx of segment 0x%llx is not whole pages",
+                              (unsigned long long)b->addr, sa);
+        if (b->next && b->next->unmapped)
+            return vram__fail(VRAM_ERR_CORRUPT, "unmapped blocks 0x%llx and 0x%llx are adjacent but not merged",
+                              (unsigned long long)b->addr, (unsigned long long)b->next->addr);
+    }
+    if (mapped != seg->mapped)
+        return vram__fail(VRAM_ERR_CORRUPT, "expandable segment 0x%llx counts %llu mapped bytes but its blocks map %llu",
+                          sa, (unsigned long long)seg->mapped, (unsigned long long)mapped);
+    uint64_t listed = 0;
+    for (const vram__block_t *u = seg->unmapped; u && listed <= unmapped; u = u->right, listed++) {
+        if (!u->unmapped || u->segment != seg || (u->right && u->right->left != u))
+            return vram__fail(VRAM_ERR_CORRUPT, "the unmapped list of segment 0x%llx is broken at 0x%llx", sa,
+                              (unsigned long long)u->addr);
+    }
+    if (listed != unmapped)
+        return vram__fail(VRAM_ERR_CORRUPT, "segment 0x%llx lists %llu unmapped blocks but has %llu", sa,
+                          (unsigned long long)listed, (unsigned long long)unmapped);
+    return VRAM_OK;
+}
