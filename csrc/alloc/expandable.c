@@ -183,24 +183,63 @@ static vram__block_t *find_candidate(vram_pool_t *pool, int is_small, vram_strea
     return best;
 }
 
+/* Map part of an unmapped block, and widen [fresh_lo, fresh_hi) — the pages this malloc mapped
+ * (zero on the host: vram_calloc need not write them) — when they continue it. */
+static vram_status_t map_more(vram_pool_t *pool, vram__block_t *b, uint64_t size, uint64_t context,
+                              vram__block_t **out) {
+    uintptr_t at = b->addr;
+    uint64_t mapped_before = b->segment->mapped;
+    vram_status_t status = map_block(pool, b, size, context, out);
+    if (status != VRAM_OK) return status;
+    uint64_t len = (*out)->segment->mapped - mapped_before;
+    if (pool->fresh_hi == pool->fresh_lo) pool->fresh_lo = pool->fresh_hi = at;
+    if (at == pool->fresh_hi) pool->fresh_hi = at + len;
+    return VRAM_OK;
+}
+
 vram_status_t vram__expandable_alloc(vram_pool_t *pool, int is_small, vram_stream_t stream, uint64_t rounded,
                                      uint64_t context, int is_retry, vram__block_t **out) {
+    *out = NULL;
     if (is_retry) pool->stats.num_alloc_retries++;
     pool->host.rejected = 0; /* the OOM message describes the last attempt */
+    /* A request that no amount of releasing can serve is an OOM before any address space is
+     * reserved for it (a range sized to it could exhaust the addresses instead). */
+    uint64_t pages = round_up(rounded, is_small ? VRAM_SMALL_BUFFER : pool->settings.expandable_page_size);
+    if (pages > pool->settings.allowed_bytes || pages > pool->total_capacity) return VRAM_ERR_OOM;
     vram__block_t *c = find_candidate(pool, is_small, stream, rounded);
     vram_status_t status = VRAM_OK;
     if (!c) status = reserve_segment(pool, is_small, stream, rounded, &c);
-    if (status == VRAM_OK && c->unmapped) status = map_block(pool, c, c->size < rounded ? c->size : rounded, context, &c);
+    if (status == VRAM_OK && c->unmapped) status = map_more(pool, c, c->size < rounded ? c->size : rounded, context, &c);
     /* Now c is free and mapped; while it is short, the block after it is unmapped (free
      * neighbours are always merged) and mapping part of it extends c. A failure leaves the
      * pages mapped so far as free blocks, as PyTorch does. */
     while (status == VRAM_OK && c->size < rounded) {
         vram__block_t *next = c->next;
         uint64_t remaining = rounded - c->size;
-        status = map_block(pool, next, remaining < next->size ? remaining : next->size, context, &c);
+        status = map_more(pool, next, remaining < next->size ? remaining : next->size, context, &c);
     }
     *out = status == VRAM_OK ? c : NULL;
     return status;
+}
+
+uint64_t vram__expandable_unfaulted(vram_pool_t *pool) {
+    uint64_t unfaulted = 0;
+    for (vram__segment_t *seg = pool->segments; seg; seg = seg->next) {
+        if (!seg->expandable) continue;
+        for (vram__block_t *b = seg->head; b;) {
+            if (b->unmapped) {
+                b = b->next;
+                continue;
+            }
+            uintptr_t start = b->addr;
+            while (b && !b->unmapped) b = b->next;
+            uint64_t len = (b ? b->addr : seg->addr + seg->size) - start, resident = 0;
+            if (!pool->backend->resident_bytes || pool->backend->resident_bytes(pool->ctx, start, len, &resident) != VRAM_OK)
+                resident = 0; /* cannot tell: count all of it */
+            unfaulted += resident < len ? len - resident : 0;
+        }
+    }
+    return unfaulted;
 }
 
 void vram__expandable_unmap(vram_pool_t *pool, vram__block_t *b, uint64_t context) {

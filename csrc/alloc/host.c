@@ -42,6 +42,7 @@ vram_status_t vram__host_check_room(vram_pool_t *pool, uint64_t size) {
     if (need <= h->room) return VRAM_OK;
     h->reading_valid = 0; /* the ladder is about to free memory: read again on the retry */
     h->rejected = 1;
+    h->refused_size = size;
     pool->stats.num_host_memory_rejections++;
     return VRAM_ERR_OOM;
 }

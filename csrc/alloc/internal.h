@@ -120,6 +120,7 @@ typedef struct vram__host_state {
     uint64_t read_ns, mapped_since;
     int reading_valid;
     int rejected;                /* the current slow path was refused by the host check */
+    uint64_t refused_size;       /* the size that check refused (a segment, or pages to map) */
 } vram__host_state_t;
 
 struct vram_pool {
@@ -148,6 +149,7 @@ struct vram_pool {
 
     vram__block_t *spare_blocks; /* recycled block structs, linked through ->next */
     uint64_t num_spare;
+    uintptr_t fresh_lo, fresh_hi; /* expandable: pages the current malloc mapped (empty if none) */
     void **block_chunks;         /* slabs to free at destroy */
     uint64_t num_chunks, cap_chunks;
 };
@@ -317,6 +319,9 @@ static inline void vram__whole_free_count(vram_pool_t *pool, const vram__segment
  * free index. VRAM_ERR_OOM (no message) when the device, the limit or the host has no room. */
 vram_status_t vram__expandable_alloc(vram_pool_t *pool, int is_small, vram_stream_t stream, uint64_t rounded,
                                      uint64_t context, int is_retry, vram__block_t **out);
+/* Bytes of mapped pages that are not resident (host pools): the kernel has not counted them
+ * yet, so the host check must (all mapped pages, free ones too: a conservative figure). */
+uint64_t vram__expandable_unfaulted(vram_pool_t *pool);
 /* Unmap the whole pages inside a free block (it stays free around them). */
 void vram__expandable_unmap(vram_pool_t *pool, vram__block_t *block, uint64_t context);
 /* empty_cache for expandable segments: unmap every free page, release ranges left empty. */

@@ -107,7 +107,7 @@ vram_status_t vram__report_oom(vram_pool_t *pool, uint64_t requested, uint64_t s
                  pool->settings.expandable_page_size > VRAM__PAGE_UNIT ? "large" : "2 MiB",
                  pool->settings.expandable_page_size > VRAM__PAGE_UNIT
                      ? " (VRAMKIT_ALLOC_CONF=expandable_page_mb:2 maps large-pool pages of 2 MiB)" : "");
-    if (host_refused) describe_host_refusal(pool, segment_size, advice, sizeof advice);
+    if (host_refused) describe_host_refusal(pool, pool->host.refused_size, advice, sizeof advice);
     return vram__fail(VRAM_ERR_OOM,
                       "%s out of memory. Tried to allocate %s. %s has a total capacity of %s of which %s is free. "
                       "%sOf the allocated memory %s is allocated by vramkit, and %s is reserved by vramkit but "

@@ -159,9 +159,9 @@ static uint64_t unfaulted_in_run(vram_pool_t *pool, vram__segment_t *seg, uint64
 }
 
 uint64_t vram__pages_unfaulted(vram_pool_t *pool) {
-    if (!pool->host.fresh_units) return 0;
-    if (!pool->backend->resident_bytes) return pool->host.fresh_units * UNIT;
-    uint64_t unfaulted = 0;
+    uint64_t unfaulted = pool->settings.expandable_segments ? vram__expandable_unfaulted(pool) : 0;
+    if (!pool->host.fresh_units) return unfaulted;
+    if (!pool->backend->resident_bytes) return unfaulted + pool->host.fresh_units * UNIT;
     for (vram__segment_t *seg = pool->segments; seg; seg = seg->next) {
         if (!seg->fresh) continue;
         uint64_t units = num_units(seg);

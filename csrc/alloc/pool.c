@@ -239,9 +239,13 @@ static vram__block_t *take_block(vram_pool_t *pool, vram__block_t *block, uint64
     return block;
 }
 
+/* *zero_lo..*zero_hi receives the part of the block known to be zero (host pools; empty
+ * elsewhere): all of it when its units were untouched, or the pages an expandable segment
+ * mapped for it. */
 static vram_status_t malloc_impl(vram_pool_t *pool, uint64_t size, vram_stream_t stream, uint64_t context,
-                                 void **out, int *known_zero) {
+                                 void **out, uintptr_t *zero_lo, uintptr_t *zero_hi) {
     *out = NULL;
+    *zero_lo = *zero_hi = 0;
     if (size == 0) return VRAM_OK; /* as torch's raw_alloc(0): no block, no counters */
     if (size >= VRAM_MAX_REQUEST)
         return vram__fail(VRAM_ERR_INVALID_ARG, "allocation size %llu is absurd: sizes must be below 2**62 bytes",
@@ -253,12 +257,23 @@ static vram_status_t malloc_impl(vram_pool_t *pool, uint64_t size, vram_stream_t
         status = vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory for allocator bookkeeping");
     if (status != VRAM_OK) goto done;
     if (pool->num_pending) vram__process_events(pool);
+    pool->fresh_lo = pool->fresh_hi = 0;
 
     uint64_t rounded = vram__round_size(&pool->settings, size);
     vram__free_index_t *index = vram__index_for(pool, rounded <= VRAM_SMALL_SIZE);
     vram__block_t *block = get_free_block(pool, index, stream, rounded);
     if (!block) status = obtain_block(pool, index, stream, size, rounded, context, &block);
-    if (status == VRAM_OK) *out = (void *)take_block(pool, block, rounded, size, context, known_zero)->addr;
+    if (status == VRAM_OK) {
+        int known_zero = 0;
+        block = take_block(pool, block, rounded, size, context, &known_zero);
+        *out = (void *)block->addr;
+        uintptr_t lo = block->addr, hi = block->addr + block->size;
+        if (!known_zero) { /* only what this malloc mapped, if anything */
+            lo = lo > pool->fresh_lo ? lo : pool->fresh_lo;
+            hi = hi < pool->fresh_hi ? hi : pool->fresh_hi;
+        }
+        if (lo < hi) *zero_lo = lo, *zero_hi = hi;
+    }
     /* Events processed above may have freed whole segments (only the taken block is in use). */
     if (vram__over_cache_limit(pool)) vram__host_enforce_cache_limit(pool, context);
 done:
@@ -267,8 +282,8 @@ done:
 }
 
 vram_status_t vram_malloc(vram_pool_t *pool, uint64_t size, vram_stream_t stream, uint64_t context, void **out) {
-    int known_zero;
-    return malloc_impl(pool, size, stream, context, out, &known_zero);
+    uintptr_t zero_lo, zero_hi;
+    return malloc_impl(pool, size, stream, context, out, &zero_lo, &zero_hi);
 }
 
 vram_status_t vram_calloc(vram_pool_t *pool, uint64_t size, vram_stream_t stream, uint64_t context, void **out) {
@@ -279,11 +294,15 @@ vram_status_t vram_calloc(vram_pool_t *pool, uint64_t size, vram_stream_t stream
         return vram__fail(VRAM_ERR_INVALID_ARG, "vram_calloc needs a host pool; %s memory cannot be written by the CPU",
                           name);
     }
-    int known_zero = 0;
-    vram_status_t status = malloc_impl(pool, size, stream, context, out, &known_zero);
+    uintptr_t zero_lo, zero_hi;
+    vram_status_t status = malloc_impl(pool, size, stream, context, out, &zero_lo, &zero_hi);
+    if (status != VRAM_OK || !*out) return status;
     /* Outside the lock: zeroing a large block takes a while. Untouched pages are zero already,
      * and leaving them alone keeps them from costing memory before they are used. */
-    if (status == VRAM_OK && *out && !known_zero) memset(*out, 0, (size_t)size);
+    uintptr_t start = (uintptr_t)*out, end = start + size;
+    if (zero_lo >= zero_hi) zero_lo = zero_hi = end;
+    if (zero_lo > start) memset(*out, 0, (size_t)((zero_lo < end ? zero_lo : end) - start));
+    if (zero_hi < end) memset((void *)zero_hi, 0, (size_t)(end - zero_hi));
     return status;
 }
 

@@ -60,6 +60,12 @@ static vram_status_t switch_expandable(vram_pool_t *pool, const vram_settings_t 
                           active == 1 ? "it" : "them");
     }
     vram__release_cached_blocks(pool, 0);
+    for (const vram__segment_t *seg = pool->segments; seg; seg = seg->next)
+        if (seg->expandable != settings->expandable_segments)
+            return vram__fail(VRAM_ERR_BACKEND,
+                              "expandable_segments was not changed on %s: the backend did not release all of its "
+                              "cached memory, and the two layouts cannot be mixed; call empty_cache() and retry",
+                              name);
     return VRAM_OK;
 }
 

@@ -171,12 +171,14 @@ static CUresult map_page(int device, CUdeviceptr at, size_t page, const char **c
 
 /* Page by page: the driver unmaps only whole mappings, and each page was mapped on its own.
  * Stops at the first failure, leaving the pages before it unmapped. */
-static CUresult unmap_pages(uintptr_t addr, uint64_t size, uint64_t page) {
-    for (uint64_t off = 0; off < size; off += page) {
-        CUresult r = drv.unmap((CUdeviceptr)(addr + off), (size_t)page);
-        if (r != CUDA_SUCCESS) return r;
-    }
-    return CUDA_SUCCESS;
+/* Unmap page by page; *done (may be NULL) receives the bytes unmapped before a failure. */
+static CUresult unmap_pages(uintptr_t addr, uint64_t size, uint64_t page, uint64_t *done) {
+    uint64_t off = 0;
+    CUresult r = CUDA_SUCCESS;
+    for (; off < size; off += page)
+        if ((r = drv.unmap((CUdeviceptr)(addr + off), (size_t)page)) != CUDA_SUCCESS) break;
+    if (done) *done = off;
+    return r;
 }
 
 vram_status_t vram__cuda_vmm_map(int device, size_t *granularity, uintptr_t addr, uint64_t size, uint64_t page) {
@@ -196,7 +198,7 @@ vram_status_t vram__cuda_vmm_map(int device, size_t *granularity, uintptr_t addr
     if (r == CUDA_SUCCESS) return VRAM_OK;
     /* All or nothing. Should this rollback fail, the pages stay mapped but unused: the pool
      * thinks them unmapped and maps them again later, which then fails as a backend error. */
-    (void)unmap_pages(addr, mapped, page);
+    (void)unmap_pages(addr, mapped, page, NULL);
     if (r == CUDA_ERROR_OUT_OF_MEMORY) return VRAM_ERR_OOM; /* the pool writes the OOM message */
     return driver_fail(call, device, r);
 }
@@ -205,8 +207,21 @@ vram_status_t vram__cuda_vmm_unmap(int device, uintptr_t addr, uint64_t size, ui
     if (page == 0 || size % page != 0)
         return vram__fail(VRAM_ERR_INVALID_ARG, "cuda:%d cannot unmap %llu bytes in pages of %llu", device,
                           (unsigned long long)size, (unsigned long long)page);
-    CUresult r = unmap_pages(addr, size, page);
-    return r == CUDA_SUCCESS ? VRAM_OK : driver_fail("cuMemUnmap", device, r);
+    uint64_t done = 0;
+    CUresult r = unmap_pages(addr, size, page, &done);
+    if (r == CUDA_SUCCESS) return VRAM_OK;
+    /* All or nothing, as the pool assumes: map the pages already unmapped again (new memory;
+     * they were free), so the pool's "still mapped" stays true. Only a broken context gets
+     * here, and then this may fail too. */
+    vram_status_t status = driver_fail("cuMemUnmap", device, r);
+    const char *call = NULL;
+    for (uint64_t off = 0; off < done; off += page)
+        if (map_page(device, (CUdeviceptr)(addr + off), (size_t)page, &call) != CUDA_SUCCESS) return status;
+    if (done) {
+        CUmemAccessDesc access = {.location = on_device(device), .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+        (void)drv.set_access((CUdeviceptr)addr, (size_t)done, &access, 1);
+    }
+    return status;
 }
 
 void vram__cuda_vmm_release(uintptr_t addr, uint64_t size) {

@@ -4,7 +4,7 @@
  * Every simulated device draws from one process-wide range, so an address identifies its
  * device (raw_free(ptr) finds the right pool), and addresses are never reused: a released
  * range stays unused, which keeps the backend O(1) and makes every segment unique in a
- * trace. The range starts at 2^48, above the 47-bit user address space where host and CUDA
+ * trace. (Expandable segments' reserved ranges are the exception: a device reuses its own.) The range starts at 2^48, above the 47-bit user address space where host and CUDA
  * pointers live, and ends at 2^53 so JavaScript viewers keep exact addresses; a process
  * would need petabytes of segment churn to exhaust it.
  *
@@ -33,6 +33,11 @@ typedef struct sim_ctx {
     uint64_t *next;     /* the bump pointer: &next_address, or &own_next for a private range */
     uint64_t end;       /* where that range ends */
     uint64_t own_next;
+    /* Expandable segments' ranges released by this device, reused by it: empty_cache releases
+     * a range (1 1/8 of the capacity) and the next allocation reserves one again, so without
+     * reuse a loop of the two would exhaust the shared addresses after ~90,000 turns. */
+    struct sim_range { uint64_t addr, size; } released[8];
+    int num_released;
 } sim_ctx_t;
 
 /* Take `size` bytes of addresses (2 MiB-aligned) from the ctx's range. */
@@ -67,7 +72,14 @@ static void sim_segment_free(void *ctx, uintptr_t addr, uint64_t size) {
 /* Expandable segments: a reservation only draws addresses; mapping counts against the
  * capacity, so a 1 TiB device with 1 1/8 TiB ranges per stream costs no memory here. */
 static vram_status_t sim_range_reserve(void *ctx, uint64_t size, uintptr_t *out) {
-    return draw_addresses(ctx, size, out);
+    sim_ctx_t *s = ctx;
+    for (int i = 0; i < s->num_released; i++) {
+        if (s->released[i].size != size) continue;
+        *out = (uintptr_t)s->released[i].addr;
+        s->released[i] = s->released[--s->num_released];
+        return VRAM_OK;
+    }
+    return draw_addresses(s, size, out);
 }
 
 static vram_status_t sim_range_map(void *ctx, uintptr_t addr, uint64_t size, uint64_t page) {
@@ -86,9 +98,9 @@ static vram_status_t sim_range_unmap(void *ctx, uintptr_t addr, uint64_t size, u
 }
 
 static void sim_range_release(void *ctx, uintptr_t addr, uint64_t size) {
-    (void)ctx;
-    (void)addr;
-    (void)size; /* addresses are never reused */
+    sim_ctx_t *s = ctx; /* the pool's lock serializes calls on one ctx */
+    if (s->num_released < (int)(sizeof s->released / sizeof s->released[0]))
+        s->released[s->num_released++] = (struct sim_range){addr, size};
 }
 
 static vram_status_t sim_mem_info(void *ctx, uint64_t *free_bytes, uint64_t *total_bytes) {

@@ -107,10 +107,101 @@ static void test_switching_needs_an_idle_pool(void) {
     vram_pool_destroy(pool);
 }
 
+/* Requests no release could serve are OOM errors, before any address space is reserved for
+ * them (a range sized to 2^59 bytes would exhaust the simulated addresses). */
+static void test_impossible_requests_are_oom(void) {
+    vram_pool_t *pool = expandable_pool(8192 * MiB);
+    void *p = NULL;
+    CHECK_STATUS(vram_malloc(pool, (uint64_t)1 << 59, 0, 0, &p), VRAM_ERR_OOM);
+    CHECK_STATUS(vram_malloc(pool, (uint64_t)4 << 50, 0, 0, &p), VRAM_ERR_OOM);
+    CHECK_STATUS(vram_malloc(pool, 8193 * MiB, 0, 0, &p), VRAM_ERR_OOM);
+    CHECK(pool->segments == NULL); /* nothing reserved for them */
+    CHECK_OK(vram_malloc(pool, 8000 * MiB, 0, 0, &p));
+    CHECK_POOL(pool);
+    CHECK_OK(vram_free(pool, p, 0));
+    vram_pool_destroy(pool);
+}
+
+/* empty_cache releases the empty range and the next malloc reserves one: the device reuses its
+ * own released ranges, so the loop never runs out of simulated addresses (it did after
+ * ~90,000 turns on an 80 GiB device). */
+static void test_empty_cache_churn_reuses_ranges(void) {
+    vram_pool_t *pool = expandable_pool((uint64_t)80 << 30);
+    int failures = 0;
+    for (int i = 0; i < 120000 && !failures; i++) {
+        void *p = NULL;
+        failures += vram_malloc(pool, MiB, 0, 0, &p) != VRAM_OK;
+        failures += vram_free(pool, p, 0) != VRAM_OK;
+        failures += vram_empty_cache(pool, NULL) != VRAM_OK;
+    }
+    CHECK(failures == 0);
+    CHECK_POOL(pool);
+    vram_pool_destroy(pool);
+}
+
+/* A host that reports 1 GiB available: mapped pages nobody has written yet are not in the
+ * kernel's figure, so the check counts them, as it counts untouched classic segments. */
+static vram_status_t one_gib_host(void *ctx, vram_host_memory_t *out) {
+    (void)ctx;
+    memset(out, 0, sizeof *out);
+    out->total = out->ram_total = out->available = out->mem_available = 1024 * MiB;
+    out->cgroup_limit = UINT64_MAX;
+    return VRAM_OK;
+}
+
+static void test_host_check_counts_untouched_pages(void) {
+    static vram_backend_t backend;
+    backend = *vram_backend_cpu();
+    backend.host_memory = one_gib_host;
+    const char *confs[] = {"host_reserve_mb:0", "host_reserve_mb:0,expandable_segments:True"};
+    for (int e = 0; e < 2; e++) {
+        void *ctx = NULL, *a = NULL, *b = NULL;
+        vram_pool_t *pool = NULL;
+        CHECK_OK(vram_backend_cpu_ctx(&ctx));
+        CHECK_OK(vram_pool_create(&backend, ctx, (vram_device_t){VRAM_DEVICE_CPU, 0}, confs[e], &pool));
+        CHECK_OK(vram_malloc(pool, 600 * MiB, 0, 0, &a)); /* untouched, like np.empty */
+        CHECK_STATUS(vram_malloc(pool, 600 * MiB, 0, 0, &b), VRAM_ERR_OOM);
+        CHECK_CONTAINS(vram_last_error(), "did not map 600.00 MiB because the host cannot give it");
+        CHECK_POOL(pool);
+        CHECK_OK(vram_free(pool, a, 0));
+        vram_pool_destroy(pool);
+    }
+}
+
+/* vram_calloc leaves pages it has just mapped alone (they are zero), so a large calloc costs
+ * no memory until it is written; a block from the cache is zeroed. */
+static void test_calloc_skips_fresh_pages(void) {
+    void *ctx = NULL, *p = NULL;
+    vram_pool_t *pool = NULL;
+    CHECK_OK(vram_backend_cpu_ctx(&ctx));
+    CHECK_OK(vram_pool_create(vram_backend_cpu(), ctx, (vram_device_t){VRAM_DEVICE_CPU, 0},
+                              "expandable_segments:True,host_page_release_mb:None", &pool));
+    CHECK_OK(vram_calloc(pool, 256 * MiB, 0, 0, &p));
+    uint64_t resident = UINT64_MAX;
+    CHECK_OK(vram_backend_cpu()->resident_bytes(ctx, (uintptr_t)p, 256 * MiB, &resident));
+    CHECK(resident < 8 * MiB);
+    memset(p, 0x5A, 256 * MiB);
+    CHECK_OK(vram_free(pool, p, 0));
+    void *q = NULL;
+    CHECK_OK(vram_calloc(pool, 200 * MiB, 0, 0, &q)); /* the cached, written block */
+    CHECK(q == p);
+    const unsigned char *bytes = q;
+    int nonzero = 0;
+    for (uint64_t i = 0; i < 200 * MiB; i += 4093) nonzero += bytes[i] != 0;
+    CHECK(nonzero == 0 && bytes[200 * MiB - 1] == 0);
+    CHECK_POOL(pool);
+    CHECK_OK(vram_free(pool, q, 0));
+    vram_pool_destroy(pool);
+}
+
 int main(void) {
     RUN(test_free_tail_grows_into_a_larger_request);
     RUN(test_slow_path_keeps_malloc_spares);
     RUN(test_empty_cache_leaves_holes_and_snapshot_runs);
     RUN(test_switching_needs_an_idle_pool);
+    RUN(test_impossible_requests_are_oom);
+    RUN(test_empty_cache_churn_reuses_ranges);
+    RUN(test_host_check_counts_untouched_pages);
+    RUN(test_calloc_skips_fresh_pages);
     return harness_finish();
 }
