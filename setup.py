@@ -53,7 +53,9 @@ CUDA_HOME = find_cuda()
 SANITIZE = os.environ.get("VRAMKIT_SANITIZE", "").strip()
 
 compile_args = ["-std=c11", "-D_DEFAULT_SOURCE", "-Wall", "-Wextra", "-fvisibility=hidden"]
-link_args = ["-ldl"]  # NVML is dlopen'd (backends/nvml.c); glibc before 2.34 keeps dlopen in libdl
+# NVML is dlopen'd (backends/nvml.c; glibc before 2.34 keeps dlopen in libdl); the torch
+# allocator hook (torch/malloc_shim.cpp) is C++ and needs its runtime.
+link_args = ["-ldl", "-lstdc++"]
 if env_flag("VRAMKIT_WERROR"):
     compile_args.append("-Werror")
 if SANITIZE:
@@ -76,20 +78,41 @@ if CUDA_HOME:
 
 ext = Extension(
     "vramkit._C",
-    sources=sources("util/*.c", "alloc/*.c", "backends/*.c", "kernels/*.c", "checkpoint/*.c", "python/*.c"),
+    sources=sources("util/*.c", "alloc/*.c", "backends/*.c", "kernels/*.c", "checkpoint/*.c", "torch/*.c", "python/*.c"),
     include_dirs=["csrc/include", numpy.get_include()] + ([os.path.join(CUDA_HOME, "include")] if CUDA_HOME else []),
     define_macros=define_macros,
     extra_compile_args=compile_args,
     extra_link_args=link_args,
     extra_objects=extra_objects,
-    depends=sources("include/*.h", "util/*.h", "alloc/*.h", "backends/*.h", "python/*.h", "kernels/*.h", "checkpoint/*.h"),
+    depends=sources("include/*.h", "util/*.h", "alloc/*.h", "backends/*.h", "python/*.h", "kernels/*.h", "checkpoint/*.h",
+                    "torch/*"),
 )
 
 
 class BuildExt(build_ext):
-    """Compile csrc/kernels/*.cu with nvcc to objects and link them into the extension."""
+    """Compile csrc/kernels/*.cu with nvcc and csrc/torch/*.cpp with the C++ compiler to objects,
+    and link them into the extension."""
+
+    def build_cpp(self):
+        cxx = os.environ.get("CXX", "g++")
+        out_dir = os.path.join(self.build_temp, "cpp")
+        os.makedirs(out_dir, exist_ok=True)
+        flags = ["-std=c++17", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra", "-DVRAMKIT_BUILD=1", "-Icsrc/include"]
+        if env_flag("VRAMKIT_WERROR"):
+            flags.append("-Werror")
+        flags += [f"-fsanitize={SANITIZE}", "-g", "-O1"] if SANITIZE else ["-O2"]
+        for src in sources("torch/*.cpp"):
+            obj = os.path.join(out_dir, os.path.basename(src) + ".o")
+            deps = sources("torch/*", "include/*.h")
+            if not os.path.exists(obj) or os.path.getmtime(obj) < max(os.path.getmtime(p) for p in deps):
+                cmd = [cxx, "-c", src, "-o", obj] + flags
+                self.announce(" ".join(cmd), level=2)
+                subprocess.check_call(cmd, cwd=ROOT)
+            for e in self.extensions:
+                e.extra_objects.append(obj)
 
     def build_extensions(self):
+        self.build_cpp()
         if CUDA_HOME:
             nvcc = os.path.join(CUDA_HOME, "bin", "nvcc")
             archs = [a.strip() for a in os.environ.get("VRAMKIT_CUDA_ARCHS", "80;90").replace(",", ";").split(";") if a.strip()]

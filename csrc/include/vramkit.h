@@ -507,5 +507,6 @@ VRAM_API VRAM_NODISCARD vram_status_t vram_trace_replay(const uint8_t *kind, con
 #include "vramkit_amp.h"
 #include "vramkit_checkpoint.h"
 #include "vramkit_nvml.h"
+#include "vramkit_torch.h"
 
 #endif /* VRAMKIT_H */

@@ -24,7 +24,23 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveMeter", "SiteMeter", "track"]
+__all__ = ["LiveMeter", "SiteMeter", "is_out_of_memory", "track", "use_as_cuda_allocator"]
+
+
+def use_as_cuda_allocator() -> Any:
+    """Make vramkit PyTorch's CUDA allocator for this process (before torch initializes CUDA):
+    every CUDA tensor then comes from vramkit's cuda:N pool, so vramkit's counters, summaries,
+    snapshots and OOM figures describe them. See vramkit._torch_allocator."""
+    from ._torch_allocator import use_as_cuda_allocator as use
+
+    return use()
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for the RuntimeError torch raises when vramkit's pool had no memory for a tensor."""
+    from ._torch_allocator import is_out_of_memory as check
+
+    return check(exc)
 
 
 def _storage(t: Any):

@@ -84,6 +84,29 @@ def test_c(tmp_path, test, mode):
         assert "expandable segments:" in out and out.count(" 0 violations") == 4, out
 
 
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_torch_hooks_from_cpp(tmp_path, mode):
+    """The hooks torch's CUDAPluggableAllocator calls, driven from C++ as torch drives them,
+    routed to a simulated device: a failed allocation must throw std::runtime_error with
+    vramkit's message (tests/c/test_torch_hooks.cpp)."""
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        pytest.skip(f"no C++ compiler ({cxx}) on PATH")
+    c_sources = CORE + sorted(glob.glob(os.path.join(REPO, "csrc", "torch", "*.c")))
+    objdir = tmp_path / "obj"
+    objdir.mkdir()
+    result = subprocess.run([CC, "-c", *BASE_FLAGS, *MODES[mode], *c_sources], cwd=objdir, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    exe = str(tmp_path / "test_torch_hooks")
+    cmd = [cxx, "-std=c++17", "-Wall", "-Wextra", "-Werror", "-g", *MODES[mode], "-I" + os.path.join(REPO, "csrc", "include"),
+           os.path.join(HERE, "test_torch_hooks.cpp"), os.path.join(REPO, "csrc", "torch", "malloc_shim.cpp"),
+           *sorted(str(p) for p in objdir.glob("*.o")), "-o", exe, "-lpthread", "-ldl", "-lm"]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    out = run(exe)
+    assert "22 checks, 0 failures" in out
+
+
 def _tsan_works(tmp_path) -> bool:
     src = tmp_path / "probe.c"
     src.write_text("int main(void) { return 0; }\n")
