@@ -246,3 +246,22 @@ def test_torch_training_on_vramkit_memory(tmp_path):
     assert v["summary_ok"]
     # Live tensors are vramkit's; beyond them only torch's own workspaces (cuBLAS) may be held.
     assert v["live"] <= v["requested"] <= v["live"] + 64 * MiB
+
+
+def test_cupy_arrays_on_vramkit_memory(gpu):
+    cupy = pytest.importorskip("cupy")
+    import gc
+
+    import vramkit.cupy as vcupy
+
+    before = vramkit.memory_allocated(gpu)
+    vcupy.install()
+    try:
+        a = cupy.arange(1 << 20, dtype=cupy.float32)
+        assert vramkit.memory_allocated(gpu) - before >= 4 * MiB
+        assert float(a.sum()) == float((1 << 20) * ((1 << 20) - 1) / 2)
+        del a
+        gc.collect()
+        assert vramkit.memory_allocated(gpu) == before
+    finally:
+        vcupy.uninstall()
