@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One command for a machine with a CUDA GPU: build vramkit in place with its CUDA backend and
+# kernels, run every test marked `cuda` (allocator, expandable segments on the driver's VMM
+# API, amp kernels, torch's pluggable allocator with a real training loop, CuPy), then the GPU
+# benchmarks. Logs and tables go to ${OUT:-gpu-results}; the last lines printed are the
+# summary. Fits one 10-minute call of the device tool (the build takes about 2 minutes).
+#
+#     bash benchmarks/gpu/run_all.sh            # full
+#     QUICK=1 bash benchmarks/gpu/run_all.sh    # benchmarks with --quick
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out="${OUT:-gpu-results}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+echo "=== device ===" | tee "$out/summary.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$out/summary.txt"
+
+echo "=== build (VRAMKIT_CUDA=1) ===" | tee -a "$out/summary.txt"
+if ! VRAMKIT_CUDA=1 VRAMKIT_CUDA_ARCHS="${VRAMKIT_CUDA_ARCHS:-90}" python setup.py build_ext --inplace \
+        > "$out/build.log" 2>&1; then
+    tail -30 "$out/build.log"
+    echo "build failed (see $out/build.log)" | tee -a "$out/summary.txt"
+    exit 1
+fi
+python -c "import vramkit; print('vramkit', vramkit.__version__, 'CUDA devices:', vramkit._C.cuda_device_count() \
+    if hasattr(vramkit._C, 'cuda_device_count') else '?')" | tee -a "$out/summary.txt"
+
+echo "=== cuda tests ===" | tee -a "$out/summary.txt"
+python -m pytest -m cuda -p no:cacheprovider -rs -q tests > "$out/cuda_tests.log" 2>&1
+tests_rc=$?
+tail -25 "$out/cuda_tests.log"
+tail -1 "$out/cuda_tests.log" >> "$out/summary.txt"
+
+echo "=== GPU benchmarks ===" | tee -a "$out/summary.txt"
+quick=()
+[ "${QUICK:-0}" = "1" ] && quick=(--quick)
+python benchmarks/gpu/amp.py "${quick[@]}" --json "$out/amp.json" > "$out/amp.md" 2>&1
+bench_rc=$?
+cat "$out/amp.md" >> "$out/summary.txt"
+
+echo "=== summary ==="
+cat "$out/summary.txt"
+exit $(( tests_rc != 0 || bench_rc != 0 ))
