@@ -147,3 +147,12 @@ def main_for(run: Callable[..., list[Row]], description: str) -> None:
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
     args = parser.parse_args()
     print_rows(run(quick=args.quick), markdown=args.markdown)
+
+
+def write_json(path: str | None, machine: dict, results: list) -> None:
+    """Save a GPU benchmark's machine description and every figure (no-op without a path)."""
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump({"machine": machine, "results": results}, f, indent=1)

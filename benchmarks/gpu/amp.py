@@ -32,7 +32,6 @@ injected inf and NaN must be found, and found_inf must still be 0 after the time
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -41,7 +40,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/, for _common
 
-from _common import median, spread, use_source_tree
+from _common import median, spread, use_source_tree, write_json
 
 use_source_tree()
 
@@ -252,9 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     print(fmt_table(recs))
     print("\nkernel = GPU time only (host issue hidden behind a queued sleep); e2e = host work included. "
           "GB/s = 2 x gradient bytes / kernel time; % copy = copy time / vramkit time.")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": info, "results": recs}, f, indent=1)
+    write_json(args.json, info, recs)
     return 0
 
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One command for a machine with a CUDA GPU: build vramkit in place with its CUDA backend and
 # kernels, run every test marked `cuda` (allocator, expandable segments on the driver's VMM
-# API, amp kernels, torch's pluggable allocator with a real training loop, CuPy), then the GPU
-# benchmarks. Logs and tables go to ${OUT:-gpu-results}; the last lines printed are the
-# summary. Fits one 10-minute call of the device tool (the build takes about 2 minutes).
+# API, amp kernels, torch's pluggable allocator with a real training loop, `vramkit run` on a torch
+# CUDA script, CuPy), then the GPU benchmarks: amp kernels (gpu/amp.py) and allocation latency
+# against torch, CuPy and cudaMallocAsync (gpu/alloc.py). Logs and tables go to
+# ${OUT:-gpu-results}; the last lines printed are the summary. Fits one 10-minute call of the device tool (the build takes about 2 minutes).
 #
 #     bash benchmarks/gpu/run_all.sh            # full
 #     QUICK=1 bash benchmarks/gpu/run_all.sh    # benchmarks with --quick
@@ -38,7 +39,10 @@ quick=()
 python benchmarks/gpu/amp.py "${quick[@]}" --json "$out/amp.json" > "$out/amp.md" 2>&1
 bench_rc=$?
 cat "$out/amp.md" >> "$out/summary.txt"
+python benchmarks/gpu/alloc.py "${quick[@]}" --json "$out/alloc.json" > "$out/alloc.md" 2>&1
+alloc_rc=$?
+cat "$out/alloc.md" >> "$out/summary.txt"
 
 echo "=== summary ==="
 cat "$out/summary.txt"
-exit $(( tests_rc != 0 || bench_rc != 0 ))
+exit $(( tests_rc != 0 || bench_rc != 0 || alloc_rc != 0 ))

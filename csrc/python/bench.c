@@ -1,9 +1,15 @@
-/* bench.c — allocation loops timed in C, for benchmarks/alloc.py: vramkit's cached
- * alloc+free pairs against glibc malloc/free over the same size sequence, so Python call
- * overhead is not part of the comparison. Each pass returns its mean ns per pair. */
+/* bench.c — allocation loops timed in C, for benchmarks/alloc.py and benchmarks/gpu/alloc.py:
+ * vramkit's cached alloc+free pairs against glibc malloc/free, and (built with CUDA) against
+ * CUDA's stream-ordered allocator (cudaMallocAsync/cudaFreeAsync), over the same size sequence,
+ * so Python call overhead is not part of the comparison. Each pass returns its mean ns per pair. */
 #include "module.h"
 
+#include <stdint.h>
 #include <stdlib.h>
+
+#ifdef VRAMKIT_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 #include "../util/clock.h"
 
@@ -109,11 +115,54 @@ static PyObject *bench_malloc_pairs(PyObject *self, PyObject *args) {
     return bench_end(&run, 1);
 }
 
+#ifdef VRAMKIT_WITH_CUDA
+/* bench_cuda_async_pairs(device_index, sizes, passes) -> [ns per cudaMallocAsync+cudaFreeAsync
+ * pair] on the legacy default stream and the device's default memory pool, its release threshold
+ * raised to the maximum first (as PyTorch's cudaMallocAsync backend does) so that the pool keeps
+ * what is freed: the cached state, like vramkit's warm pool. Each pass ends with a stream
+ * synchronize, counted in its time. */
+static PyObject *bench_cuda_async_pairs(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *sizes_obj;
+    int device, passes;
+    bench_run_t run;
+    if (!PyArg_ParseTuple(args, "iOi:bench_cuda_async_pairs", &device, &sizes_obj, &passes) ||
+        bench_begin(&run, sizes_obj, passes) != 0)
+        return NULL;
+    cudaError_t err;
+    Py_BEGIN_ALLOW_THREADS err = cudaSetDevice(device);
+    cudaMemPool_t mempool;
+    if (err == cudaSuccess) err = cudaDeviceGetDefaultMemPool(&mempool, device);
+    uint64_t keep_all = UINT64_MAX;
+    if (err == cudaSuccess) err = cudaMemPoolSetAttribute(mempool, cudaMemPoolAttrReleaseThreshold, &keep_all);
+    for (int p = 0; p < run.passes && err == cudaSuccess; p++) {
+        uint64_t start = vram__now_ns();
+        for (Py_ssize_t i = 0; i < run.n && err == cudaSuccess; i++) {
+            void *ptr = NULL;
+            err = cudaMallocAsync(&ptr, (size_t)run.sizes[i], 0);
+            if (err == cudaSuccess) err = cudaFreeAsync(ptr, 0);
+        }
+        if (err == cudaSuccess) err = cudaStreamSynchronize(0);
+        run.ns[p] = per_pair(start, run.n);
+    }
+    Py_END_ALLOW_THREADS if (err != cudaSuccess) {
+        bench_end(&run, 0);
+        return PyErr_Format(PyExc_RuntimeError, "bench_cuda_async_pairs: %s (%s)", cudaGetErrorName(err),
+                            cudaGetErrorString(err));
+    }
+    return bench_end(&run, 1);
+}
+#endif
+
 static PyMethodDef methods[] = {
     {"bench_pool_pairs", bench_pool_pairs, METH_VARARGS,
      "bench_pool_pairs(device, sizes_u64, passes) -> ns per malloc+free pair, per pass"},
     {"bench_malloc_pairs", bench_malloc_pairs, METH_VARARGS,
      "bench_malloc_pairs(sizes_u64, passes) -> ns per glibc malloc+free pair, per pass"},
+#ifdef VRAMKIT_WITH_CUDA
+    {"bench_cuda_async_pairs", bench_cuda_async_pairs, METH_VARARGS,
+     "bench_cuda_async_pairs(device_index, sizes_u64, passes) -> ns per cudaMallocAsync+cudaFreeAsync pair, per pass"},
+#endif
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,12 +1,16 @@
 """The `vramkit` command.
 
-    vramkit run [--html PATH] [--snapshot PATH] [--max-entries N] [--top N] [SCRIPT [ARGS...]]
+    vramkit run [--allocator torch|vramkit] [--html PATH] [--snapshot PATH] [--max-entries N]
+                [--top N] [SCRIPT [ARGS...]]
 
 `run` executes a Python script as `python SCRIPT ARGS` would, with NumPy's array memory routed
 through vramkit's cpu pool and the allocation history recorded, then prints the memory summary,
 the peaks and the largest allocation sites, and writes a snapshot pickle (for
-pytorch.org/memory_viz) and a self-contained HTML timeline. Without SCRIPT it runs the bundled
-example, an image pipeline training a small MLP in NumPy.
+pytorch.org/memory_viz) and a self-contained HTML timeline per device. When the script imports
+torch, its tensors are reported too (_run_torch.py): from torch's own CUDA caching allocator, or
+on a machine without a GPU from the live-tensor meter; with `--allocator vramkit` the CUDA
+tensors come from vramkit's pool instead. Without SCRIPT it runs the bundled example, an image
+pipeline training a small MLP in NumPy, then a checkpointed MLP in PyTorch.
 
     vramkit fit SCRIPT --device-memory 24GiB [--batch-size N] ...   (see _cli_predict.py)
     vramkit replay TRACE --device-memory 40GiB ...
@@ -24,6 +28,7 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["main"]
@@ -60,6 +65,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Run a Python script (default: the bundled NumPy example) with NumPy arrays in vramkit's "
                     "cpu pool and the allocation history recorded; print a memory report and write a "
                     "snapshot pickle and an HTML timeline.")
+    run.add_argument("--allocator", choices=("torch", "vramkit"), default="torch",
+                     help="where the script's torch CUDA tensors come from: torch's own caching allocator, "
+                          "reported from its memory_stats and history (default), or vramkit's cuda pool "
+                          "(vramkit.torch.use_as_cuda_allocator(); needs a CUDA build of torch and a GPU)")
     run.add_argument("--html", default="vramkit-timeline.html", metavar="PATH",
                      help="where to write the HTML timeline (default: %(default)s)")
     run.add_argument("--snapshot", default="vramkit-snapshot.pickle", metavar="PATH",
@@ -146,31 +155,54 @@ def _devices() -> list[str]:
     return devices
 
 
-def _with_suffix(path: str, device: str) -> str:
-    """'out.html' for cpu, 'out-cuda0.html' for cuda:0: one file per device."""
-    if device == "cpu":
+def _with_suffix(path: str, suffix: str) -> str:
+    """'out.html' for cpu, 'out-cuda0.html' for cuda:0, 'out-torch-cpu.html': one file per device."""
+    if suffix in ("", "cpu"):
         return path
     stem, ext = os.path.splitext(path)
-    return f"{stem}-{device.replace(':', '')}{ext}"
+    return f"{stem}-{suffix.replace(':', '')}{ext}"
 
 
-def _report(device: str, snapshot: dict[str, Any], allocations: int, wall_s: float, top: int) -> None:
+@dataclass
+class _Report:
+    """What vramkit run prints and writes for one device, whoever measured it."""
+
+    device: str  # 'cpu', 'cuda:0'
+    heading: str  # what measured it
+    summary: str
+    peak_allocated: int
+    peak_reserved: int
+    allocations: int
+    snapshot: dict[str, Any]
+    trace_index: int | None  # into snapshot["device_traces"]; None: the snapshot's own device
+    suffix: str
+
+
+def _vramkit_report(device: str, snapshot: dict[str, Any], allocations: int) -> _Report:
     import vramkit
 
+    heading = "NumPy arrays, vramkit's cpu pool" if device == "cpu" else "vramkit's pool"
+    return _Report(device, heading, vramkit.memory_summary(device), vramkit.max_memory_allocated(device),
+                   vramkit.max_memory_reserved(device), allocations, snapshot, None, device)
+
+
+def _print_report(r: _Report, wall_s: float, top: int) -> None:
     from .sites import allocation_sites, device_trace, format_bytes
 
-    print(vramkit.memory_summary(device))
-    print(f"Peak allocated: {format_bytes(vramkit.max_memory_allocated(device))}   "
-          f"Peak reserved: {format_bytes(vramkit.max_memory_reserved(device))}   "
-          f"Allocations: {allocations:,}   Wall time: {wall_s:.2f} s")
+    print(f"=== {r.device}: {r.heading} ===")
+    print(r.summary)
+    print(f"Peak allocated: {format_bytes(r.peak_allocated)}   Peak reserved: {format_bytes(r.peak_reserved)}   "
+          f"Allocations: {r.allocations:,}   Wall time: {wall_s:.2f} s")
     if top == 0:
         return
-    sites = allocation_sites(snapshot)
-    recorded = sum(1 for e in device_trace(snapshot) if e.get("action") == "alloc")
+    sites = allocation_sites(r.snapshot, r.trace_index)
+    recorded = sum(1 for e in device_trace(r.snapshot, r.trace_index) if e.get("action") == "alloc")
+    allocations = r.allocations
     print()
     if not sites:
-        print(f"No allocations were recorded on {device}.")
+        print(f"No allocations were recorded on {r.device}.")
         return
+    device = r.device
     print(f"Top {min(top, len(sites))} allocation sites on {device} (of {len(sites)}), by bytes live at the peak:")
     print(f"  {'#':>2}  {'live at peak':>12}  {'total':>10}  {'count':>6}  site")
     for rank, site in enumerate(sites[:top], 1):
@@ -200,8 +232,15 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     import vramkit
     import vramkit.numpy as vnp
 
+    from ._run_torch import TorchWatch
     from .memory import write_snapshot
     from .timeline import write_html
+
+    if ns.allocator == "vramkit":
+        problem = _use_vramkit_for_torch()
+        if problem:
+            print(f"{PROG} run: error: --allocator vramkit: {problem}", file=sys.stderr)
+            return 2
 
     devices = _devices()
     allocations_before: dict[str, int] = {}
@@ -211,45 +250,72 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         vramkit.reset_peak_memory_stats(device)  # the peaks reported are the script's
         allocations_before[device] = vramkit.memory_stats(device)["allocation.all.allocated"]
 
+    watch = TorchWatch(ns.max_entries, cuda=ns.allocator == "torch")
     was_installed = vnp.is_installed()
     vnp.install()
+    watch.start()
     start = time.perf_counter()
     try:
         status = _run_script(script, ns.args)
     finally:
         wall_s = time.perf_counter() - start
+        torch_reports = watch.stop()
         if not was_installed:
             vnp.uninstall()
 
-    snapshots = {d: vramkit.memory_snapshot(d) for d in devices}
-    for device in set(devices) - already_recording:
-        vramkit.record_memory_history(False, device=device)  # leave the process as it was found
-
-    written: list[tuple[str, str, str]] = []
-    for device, snapshot in snapshots.items():
+    reports: list[_Report] = []
+    for device in devices:
+        snapshot = vramkit.memory_snapshot(device)
         allocations = vramkit.memory_stats(device)["allocation.all.allocated"] - allocations_before[device]
         if device != "cpu" and not allocations and not any(snapshot["device_traces"]):
             continue  # CUDA devices are reported only when the script used them
+        reports.append(_vramkit_report(device, snapshot, allocations))
+    for device in set(devices) - already_recording:
+        vramkit.record_memory_history(False, device=device)  # leave the process as it was found
+    reports += [_Report(t.device, t.source, t.summary, t.peak_allocated, t.peak_reserved, t.allocations, t.snapshot,
+                        t.trace_index, t.suffix) for t in torch_reports]
+
+    written: list[tuple[str, str, str]] = []
+    for r in reports:
         print()
-        _report(device, snapshot, allocations, wall_s, ns.top)
-        snap_path, page_path = _with_suffix(snapshot_path, device), _with_suffix(html_path, device)
+        _print_report(r, wall_s, ns.top)
+        snap_path, page_path = _with_suffix(snapshot_path, r.suffix), _with_suffix(html_path, r.suffix)
         try:
-            write_snapshot(snapshot, snap_path)
-            title = f"vramkit timeline: {os.path.basename(script)} on {device}"
-            write_html(page_path, snapshot, title=title, top=max(ns.top, 10))
+            write_snapshot(r.snapshot, snap_path)
+            title = f"vramkit timeline: {os.path.basename(script)} on {r.device} ({r.heading})"
+            write_html(page_path, r.snapshot, title=title, top=max(ns.top, 10), device=r.trace_index)
         except OSError as exc:
             print(f"{PROG} run: error: cannot write the report: {exc}", file=sys.stderr)
             return status or 1
-        written.append((device, snap_path, page_path))
+        written.append((f"{r.device}, {r.heading}", snap_path, page_path))
 
     print()
-    for device, snap_path, page_path in written:
-        print(f"Snapshot ({device}): {snap_path}")
-        print(f"Timeline ({device}): {page_path}")
+    for problem in watch.problems:
+        print(f"Note: {problem}")
+    for what, snap_path, page_path in written:
+        print(f"Snapshot ({what}): {snap_path}")
+        print(f"Timeline ({what}): {page_path}")
     print("Open the snapshot at https://pytorch.org/memory_viz (drag and drop; the file is read locally).")
     if status:
         print(f"{os.path.basename(script)} exited with status {status}", file=sys.stderr)
     return status
+
+
+def _use_vramkit_for_torch() -> str | None:
+    """Make vramkit torch's CUDA allocator before the script runs; returns what prevents it, if anything."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return "PyTorch is not installed"
+    import vramkit.torch
+
+    try:
+        vramkit.torch.use_as_cuda_allocator()
+    except RuntimeError as exc:
+        return str(exc)
+    if not vramkit.is_available("cuda"):
+        return "vramkit was built without its CUDA backend or sees no GPU (build with VRAMKIT_CUDA=1)"
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

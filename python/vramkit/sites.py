@@ -127,6 +127,13 @@ def format_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+_LIBRARIES = ("numpy", "torch", "vramkit")  # their frames are plumbing: a site is where the user's code called them
+
+
+# The standard library's directory: its site-packages (inside it on some layouts) is excluded above.
+_STDLIB = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
+
+
 @functools.lru_cache(maxsize=1)
 def _internal_dirs() -> tuple[str, ...]:
     """Directories whose frames are plumbing rather than the user's code, in this interpreter."""
@@ -136,19 +143,25 @@ def _internal_dirs() -> tuple[str, ...]:
     dirs = [os.path.dirname(os.path.abspath(__file__)) + os.sep,
             os.path.dirname(os.path.abspath(_importlib.__file__)) + os.sep,
             os.path.abspath(runpy.__file__)]
-    spec = importlib.util.find_spec("numpy")  # finds the package without importing it
-    if spec is not None and spec.submodule_search_locations:
-        dirs += [os.path.abspath(d) + os.sep for d in spec.submodule_search_locations]
+    for package in _LIBRARIES:
+        try:
+            spec = importlib.util.find_spec(package)  # finds the package without importing it
+        except (ImportError, ValueError):
+            continue
+        if spec is not None and spec.submodule_search_locations:
+            dirs += [os.path.abspath(d) + os.sep for d in spec.submodule_search_locations]
     return tuple(dirs)
 
 
 @functools.lru_cache(maxsize=4096)  # a trace repeats the same few hundred files
 def is_internal_frame(filename: str) -> bool:
-    """Whether a frame belongs to NumPy, vramkit, runpy or importlib rather than the user's code.
+    """Whether a frame belongs to NumPy, PyTorch, vramkit or Python's standard library (copy.deepcopy,
+    runpy, importlib) rather than the user's code.
 
-    Besides this interpreter's own install locations, any `site-packages/numpy/` or
-    `site-packages/vramkit/` path counts, so snapshots recorded elsewhere are read the same way.
-    vramkit's bundled examples are user code.
+    Besides this interpreter's own install locations, any `site-packages/numpy/`,
+    `site-packages/torch/` or `site-packages/vramkit/` path counts, so snapshots recorded
+    elsewhere are read the same way. vramkit's bundled examples are user code, and so is any other
+    installed package.
     """
     if filename.startswith("<frozen "):  # runpy and importlib are frozen modules since 3.11
         return True
@@ -157,8 +170,10 @@ def is_internal_frame(filename: str) -> bool:
         return False
     if filename.startswith(_internal_dirs()):
         return True
+    if filename.startswith(_STDLIB) and not any(d in path for d in ("/site-packages/", "/dist-packages/")):
+        return True
     parts = path.split("/")
-    return any(p in ("site-packages", "dist-packages") and q in ("numpy", "vramkit")
+    return any(p in ("site-packages", "dist-packages") and q in _LIBRARIES
                for p, q in itertools.pairwise(parts))
 
 

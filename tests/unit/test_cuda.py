@@ -265,3 +265,46 @@ def test_cupy_arrays_on_vramkit_memory(gpu):
         assert vramkit.memory_allocated(gpu) == before
     finally:
         vcupy.uninstall()
+
+
+RUN_SCRIPT = r"""
+import torch
+MiB = 1 << 20
+def weights():
+    return torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+w = weights()
+x = torch.ones(8 * MiB, device="cuda")        # 32 MiB
+y = x * 2                                      # 32 MiB more: the peak
+del y
+torch.cuda.synchronize()
+try:
+    print("PEAK", torch.cuda.max_memory_allocated())
+except RuntimeError:  # a pluggable allocator (--allocator vramkit) has no torch-side statistics
+    pass
+"""
+
+
+@pytest.mark.parametrize("allocator", ["torch", "vramkit"])
+def test_vramkit_run_reports_torch_cuda_memory(tmp_path, allocator):
+    """`vramkit run` on a torch CUDA script: torch's own allocator's figures and sites, or with
+    --allocator vramkit vramkit's cuda:0 pool holding the same tensors (128 MiB at the peak)."""
+    pytest.importorskip("torch")
+    import re
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    script = tmp_path / "gpu_script.py"
+    script.write_text(RUN_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "vramkit", "run", "--allocator", allocator, str(script)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    heading = "PyTorch's caching allocator" if allocator == "torch" else "vramkit's pool"
+    section = out[out.index(f"=== cuda:0: {heading} ==="):]
+    assert "Peak allocated: 128.0 MiB" in section
+    if allocator == "torch":
+        assert f"PEAK {128 * MiB}" in out  # torch's own counter agrees
+    assert re.search(r"64\.0 MiB\s+64\.0 MiB\s+1\s+gpu_script\.py:5 in weights", section), section
+    assert (tmp_path / "vramkit-snapshot-cuda0.pickle").exists() and (tmp_path / "vramkit-timeline-cuda0.html").exists()
