@@ -195,9 +195,8 @@ def fmt_table(recs: list[dict]) -> str:
                      f"{r['torch_ms']:.3f} ms" if t_ok else "not supported",
                      (f"{r['torch_over_vramkit']:.2f}x" + ("" if r["met_torch"] else " NO")) if t_ok else "-",
                      f"{r['vramkit_e2e_ms']:.3f} ms", f"{r['torch_e2e_ms']:.3f} ms" if t_ok else "-"))
-    widths = [max(len(h), *(len(c[i]) for c in rows)) for i, h in enumerate(head)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
-    return "\n".join(lines + ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows])
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]  # markdown, as gpu/alloc.py
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 def main(argv: list[str] | None = None) -> int:
