@@ -41,6 +41,22 @@ from .memory import (
     set_per_process_memory_fraction,
     synchronize,
 )
+from .memory_compat import (
+    caching_allocator_alloc,
+    caching_allocator_delete,
+    get_allocator_backend,
+    get_per_process_memory_fraction,
+    host_memory_stats,
+    host_memory_stats_as_nested_dict,
+    max_memory_cached,
+    memory_cached,
+    memory_stats_as_nested_dict,
+    reset_accumulated_host_memory_stats,
+    reset_max_memory_allocated,
+    reset_max_memory_cached,
+    reset_peak_host_memory_stats,
+)
+from .smi import list_gpu_processes
 from . import amp, sim, survive
 from .leaks import watch_leaks
 
@@ -59,6 +75,11 @@ __all__ = [
     "memory_summary", "pool_check", "raw_alloc", "raw_free", "record_memory_history", "record_stream",
     "reset_accumulated_memory_stats", "reset_peak_memory_stats", "set_device", "set_memory_limit", "amp",
     "set_per_process_memory_fraction", "sim", "survive", "synchronize", "watch_leaks",
+    # torch.cuda.memory's other names (memory_compat.py, smi.py)
+    "caching_allocator_alloc", "caching_allocator_delete", "get_allocator_backend", "get_per_process_memory_fraction",
+    "host_memory_stats", "host_memory_stats_as_nested_dict", "list_gpu_processes", "max_memory_cached",
+    "memory_cached", "memory_stats_as_nested_dict", "reset_accumulated_host_memory_stats",
+    "reset_max_memory_allocated", "reset_max_memory_cached", "reset_peak_host_memory_stats",
 ]
 
 

@@ -36,7 +36,7 @@ from . import _C
 from ._errors import VramkitError
 
 __all__ = ["GPU", "GPUProcess", "KillOutcome", "NVMLUnavailableError", "devices", "processes", "stale",
-           "kill_stale", "format_table", "nested_pid_namespace"]
+           "kill_stale", "format_table", "list_gpu_processes", "nested_pid_namespace"]
 
 
 class NVMLUnavailableError(VramkitError):
@@ -214,6 +214,62 @@ def processes(gpu: int | None = None) -> list[GPUProcess]:
         kind = "+".join(k for k in ("compute", "graphics") if k in kinds)
         result.append(_describe(index, pid, kind, max(known) if known else None, visible))
     return result
+
+
+def _nvml_index(device: object) -> int:
+    """The NVML index of a CUDA device (None: the current one), through CUDA_VISIBLE_DEVICES as
+    CUDA numbers GPUs: integers pick NVML's order, UUIDs (or their prefixes) are looked up."""
+    if device is None:
+        from ._devices import current_device
+
+        current = current_device()
+        index = int(current.partition(":")[2] or 0) if current.startswith("cuda") else 0
+    elif isinstance(device, int) and not isinstance(device, bool):
+        index = device
+    elif isinstance(device, str) or hasattr(device, "index"):
+        text = str(device)
+        kind, _, number = text.partition(":")
+        if kind != "cuda" or (number and not number.isdigit()):
+            raise ValueError(f"list_gpu_processes: device must be a CUDA device ('cuda', 'cuda:N', an int or a "
+                             f"torch.device of type cuda), got {device!r}")
+        index = int(number or 0)
+    else:
+        raise TypeError(f"list_gpu_processes: device must be None, an int, 'cuda:N' or a torch.device; "
+                        f"got {type(device).__name__}")
+    if index < 0:
+        raise ValueError(f"list_gpu_processes: a device index is >= 0, got {index}")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return index
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if index >= len(entries):
+        raise ValueError(f"list_gpu_processes: cuda:{index} is not visible (CUDA_VISIBLE_DEVICES={visible!r})")
+    entry = entries[index]
+    if entry.isdigit():
+        return int(entry)
+    for gpu in devices():
+        if gpu.uuid.startswith(entry) or gpu.uuid.startswith("GPU-" + entry.removeprefix("GPU-")):
+            return gpu.index
+    raise ValueError(f"list_gpu_processes: no GPU has the UUID {entry!r} from CUDA_VISIBLE_DEVICES")
+
+
+def list_gpu_processes(device: object = None) -> str:
+    """torch.cuda.list_gpu_processes through vramkit's NVML binding (no pynvml needed): a
+    human-readable list of the compute processes on a GPU and the memory each uses, in torch's
+    format ("GPU:0", then "process <pid> uses <MB> MB GPU memory" lines). Like torch's, it
+    returns a sentence instead of raising when NVML cannot be loaded."""
+    why = _C.nvml_load()
+    if why is not None:
+        return f"NVML could not be loaded ({why}); is the NVIDIA driver installed?"
+    index = _nvml_index(device)
+    lines = [f"GPU:{index}"]
+    procs = [p for p in processes(index) if "compute" in p.kind]
+    if not procs:
+        lines.append("no processes are running")
+    for p in procs:
+        used = "n/a" if p.used_memory is None else f"{p.used_memory / (1024 * 1024):.3f}"
+        lines.append(f"process {p.pid:>10d} uses {used:>12} MB GPU memory")
+    return "\n".join(lines)
 
 
 def stale(procs: Iterable[GPUProcess] | None = None) -> list[GPUProcess]:

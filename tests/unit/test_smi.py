@@ -539,3 +539,28 @@ def test_cli_usage_errors(fake):
     assert r.returncode == 2 and "expected a number of seconds > 0" in r.stderr
     r = fake.cli("--watch", "1", "--kill-stale")
     assert r.returncode == 2 and "--kill-stale cannot be combined with --watch" in r.stderr
+
+
+def test_list_gpu_processes_in_torchs_format(fake, monkeypatch):
+    """torch.cuda.list_gpu_processes's text: compute processes of one GPU, memory in MB (2**20)."""
+    import vramkit
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    fake.write(GPU_LINES + ["proc 0 compute 4000001 123456789", "proc 0 graphics 4000003 5",
+                            "proc 0 compute 4000002 NA", f"proc 1 compute 4000004 {70 * GiB}"])
+    assert vramkit.list_gpu_processes(0) == (
+        "GPU:0\n"
+        "process    4000001 uses      117.738 MB GPU memory\n"   # 123456789 / 2**20 = 117.73756...
+        "process    4000002 uses          n/a MB GPU memory")
+    assert vramkit.list_gpu_processes("cuda:1") == "GPU:1\nprocess    4000004 uses    71680.000 MB GPU memory"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # CUDA's device 0 is NVML's GPU 1
+    assert vramkit.list_gpu_processes(0).startswith("GPU:1\nprocess    4000004")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1111")  # by UUID prefix
+    assert vramkit.list_gpu_processes(0).startswith("GPU:1\n")
+    with pytest.raises(ValueError, match="cuda:1 is not visible"):
+        vramkit.list_gpu_processes(1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    fake.write(GPU_LINES)
+    assert vramkit.list_gpu_processes(1) == "GPU:1\nno processes are running"
+    with pytest.raises(ValueError, match="must be a CUDA device"):
+        vramkit.list_gpu_processes("cpu")
