@@ -406,7 +406,8 @@ vram_status_t vram_try_free(vram_pool_t *pool, void *ptr, uint64_t context, int 
     vram__trace(pool, VRAM_TRACE_FREE_REQUESTED, block->addr, block->size, block->stream, context, 0);
     if (block->num_stream_uses) vram__insert_events(pool, block);
     else vram__free_block(pool, block, context);
-    if (vram__over_cache_limit(pool)) vram__host_enforce_cache_limit(pool, context);
+    if (!vram_caching_enabled()) vram__release_cached_blocks(pool, context); /* uncached: nothing stays cached */
+    else if (vram__over_cache_limit(pool)) vram__host_enforce_cache_limit(pool, context);
     vram__unlock(&pool->lock);
     return VRAM_OK;
 }

@@ -36,6 +36,12 @@ void vram__release_cached_blocks(vram_pool_t *pool, uint64_t context) {
     vram__expandable_release_all(pool, context);
 }
 
+static int caching_enabled = 1; /* process-wide, as torch's toggle is; read without the pool lock */
+
+void vram_set_caching_enabled(int enabled) { __atomic_store_n(&caching_enabled, enabled ? 1 : 0, __ATOMIC_RELAXED); }
+
+int vram_caching_enabled(void) { return __atomic_load_n(&caching_enabled, __ATOMIC_RELAXED); }
+
 vram_status_t vram_empty_cache(vram_pool_t *pool, uint64_t *released) {
     vram__lock(&pool->lock);
     int64_t before = pool->stats.reserved_bytes[VRAM_STAT_ALL].current;

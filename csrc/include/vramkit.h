@@ -232,6 +232,12 @@ VRAM_API VRAM_NODISCARD vram_status_t vram_block_query(vram_pool_t *pool, const 
  * expandable segments, unmap every free page and release ranges left with nothing mapped.
  * *released (may be NULL) receives the bytes returned to the backend. */
 VRAM_API VRAM_NODISCARD vram_status_t vram_empty_cache(vram_pool_t *pool, uint64_t *released);
+/* Caching on or off for every pool of the process (torch.cuda.memory.caching_allocator_enable).
+ * Off, a free that leaves a segment wholly free gives it back to the device at once, as an
+ * empty_cache after every free would (expandable segments unmap their free pages): the uncached
+ * behaviour, for finding use-after-free bugs or measuring what a step really needs. On by default. */
+VRAM_API void vram_set_caching_enabled(int enabled);
+VRAM_API int vram_caching_enabled(void);
 VRAM_API VRAM_NODISCARD vram_status_t vram_mem_get_info(vram_pool_t *pool, uint64_t *free_bytes,
                                                         uint64_t *total_bytes);
 /* Cap reserved memory at fraction × total capacity (0 <= fraction <= 1; 1 removes the cap). */

@@ -190,6 +190,20 @@ static PyObject *empty_cache(PyObject *self, PyObject *args, PyObject *kwargs) {
     return PyLong_FromUnsignedLongLong(released);
 }
 
+static PyObject *set_caching_enabled(PyObject *self, PyObject *arg) {
+    (void)self;
+    int enabled = PyObject_IsTrue(arg);
+    if (enabled < 0) return NULL;
+    vram_set_caching_enabled(enabled);
+    Py_RETURN_NONE;
+}
+
+static PyObject *caching_enabled(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyBool_FromLong(vram_caching_enabled());
+}
+
 static PyObject *mem_get_info(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
     vram_pool_t *pool;
@@ -478,6 +492,9 @@ static PyMethodDef methods[] = {
     {"reset_peak_memory_stats", (PyCFunction)(void (*)(void))reset_peak, KW, "peak = current for every counter"},
     {"reset_accumulated_memory_stats", (PyCFunction)(void (*)(void))reset_accumulated, KW,
      "zero the allocated/freed totals and the event counters"},
+    {"set_caching_enabled", set_caching_enabled, METH_O,
+     "set_caching_enabled(enabled) -> caching on or off for every pool (off: freed segments go back at once)"},
+    {"caching_enabled", caching_enabled, METH_NOARGS, "caching_enabled() -> whether pools keep freed memory cached"},
     {"memory_summary", (PyCFunction)(void (*)(void))memory_summary, KW,
      "memory_summary(device=None, abbreviated=False) -> PyTorch's 75-column table"},
     {"history_enable", history_enable, METH_VARARGS, "history_enable(device, max_entries); 0 stops recording"},

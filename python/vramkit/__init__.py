@@ -44,6 +44,8 @@ from .memory import (
 from .memory_compat import (
     caching_allocator_alloc,
     caching_allocator_delete,
+    caching_allocator_disabled,
+    caching_allocator_enable,
     get_allocator_backend,
     get_per_process_memory_fraction,
     host_memory_stats,
@@ -76,7 +78,8 @@ __all__ = [
     "reset_accumulated_memory_stats", "reset_peak_memory_stats", "set_device", "set_memory_limit", "amp",
     "set_per_process_memory_fraction", "sim", "survive", "synchronize", "watch_leaks",
     # torch.cuda.memory's other names (memory_compat.py, smi.py)
-    "caching_allocator_alloc", "caching_allocator_delete", "get_allocator_backend", "get_per_process_memory_fraction",
+    "caching_allocator_alloc", "caching_allocator_delete", "caching_allocator_disabled", "caching_allocator_enable",
+    "get_allocator_backend", "get_per_process_memory_fraction",
     "host_memory_stats", "host_memory_stats_as_nested_dict", "list_gpu_processes", "max_memory_cached",
     "memory_cached", "memory_stats_as_nested_dict", "reset_accumulated_host_memory_stats",
     "reset_max_memory_allocated", "reset_max_memory_cached", "reset_peak_host_memory_stats",

@@ -16,6 +16,8 @@ Old scripts and copied snippets call these; each behaves as torch's does, on any
   ``active_requests`` / ``active_bytes`` the blocks handed out, ``num_host_alloc`` /
   ``num_host_free`` the segments mapped and unmapped. vramkit does not time host allocations,
   so torch's ``host_alloc_time`` / ``host_free_time`` keys are absent;
+* ``caching_allocator_enable`` / ``caching_allocator_disabled`` — caching on or off for every
+  pool (off: freed segments go straight back to the device);
 * ``get_allocator_backend`` — ``"native"``: vramkit implements PyTorch's native caching
   policy (not ``cudaMallocAsync``).
 
@@ -26,8 +28,9 @@ is listed with the parity test (tests/unit/test_torch_memory_parity.py).
 from __future__ import annotations
 
 import collections
+import contextlib
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 from . import _C
 from ._devices import DeviceLike
@@ -44,7 +47,7 @@ from .memory import (
 )
 
 __all__ = [
-    "caching_allocator_alloc", "caching_allocator_delete", "get_allocator_backend",
+    "caching_allocator_alloc", "caching_allocator_delete", "caching_allocator_disabled", "caching_allocator_enable", "get_allocator_backend",
     "get_per_process_memory_fraction", "host_memory_stats", "host_memory_stats_as_nested_dict",
     "max_memory_cached", "memory_cached", "memory_stats_as_nested_dict", "reset_accumulated_host_memory_stats",
     "reset_max_memory_allocated", "reset_max_memory_cached", "reset_peak_host_memory_stats",
@@ -111,6 +114,28 @@ def caching_allocator_alloc(size: int, device: DeviceLike = None, stream: Any = 
 def caching_allocator_delete(mem_ptr: int) -> None:
     """Give back an address from caching_allocator_alloc(); its device and stream are tracked."""
     raw_free(mem_ptr)
+
+
+def caching_allocator_enable(value: bool = True) -> None:
+    """Turn caching on or off for every vramkit pool of the process (on by default).
+
+    Off, each free that leaves a segment wholly free returns it to the device at once (an
+    empty_cache after every free; expandable segments unmap their free pages): slow, but what is
+    reserved is then what is live, which helps to find what a step really needs, or a
+    use-after-free that the cache would hide. What a pool cached before the switch goes back at
+    its next free (or empty_cache)."""
+    _C.set_caching_enabled(bool(value))
+
+
+@contextlib.contextmanager
+def caching_allocator_disabled() -> Iterator[None]:
+    """Context manager that turns caching off for its duration (see caching_allocator_enable)."""
+    previous = _C.caching_enabled()
+    caching_allocator_enable(False)
+    try:
+        yield
+    finally:
+        caching_allocator_enable(previous)
 
 
 def get_per_process_memory_fraction(device: DeviceLike = None) -> float:

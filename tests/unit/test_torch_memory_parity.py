@@ -25,8 +25,6 @@ ABSENT = {
     "change_current_allocator": "vramkit is the allocator: vramkit.torch.use_as_cuda_allocator() plugs it into torch",
     "MemPool": "not built yet (issue 13): a scoped private pool needs pools that share a device's capacity",
     "use_mem_pool": "not built yet (issue 13), with MemPool",
-    "caching_allocator_enable": "not built yet (issue 13): vramkit has no uncached mode",
-    "caching_allocator_disabled": "not built yet (issue 13): vramkit has no uncached mode",
 }
 # Names vramkit has under torch's name on purpose with another signature, and why.
 DIFFERENT = {
@@ -224,3 +222,38 @@ def test_list_gpu_processes_without_nvml(monkeypatch, tmp_path):
     finally:
         vramkit._C.nvml_close()
     assert text.startswith("NVML could not be loaded (") and "is the NVIDIA driver installed?" in text
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_caching_disabled_gives_freed_segments_back_at_once(gpu, expandable):
+    vramkit.configure(gpu, expandable_segments=expandable)
+    try:
+        assert vramkit._C.caching_enabled()
+        kept = vramkit.raw_alloc(3 * MiB, gpu)
+        cached = vramkit.raw_alloc(30 * MiB, gpu)
+        vramkit.raw_free(cached)
+        assert vramkit.memory_reserved(gpu) > vramkit.memory_allocated(gpu)  # cached, as usual
+        with vramkit.caching_allocator_disabled():
+            assert not vramkit._C.caching_enabled()
+            p = vramkit.raw_alloc(40 * MiB, gpu)
+            vramkit.raw_free(p)  # this free gives back every wholly free segment (or page), the old one too
+            page = 20 * MiB if expandable else 0  # an expandable pool keeps whole pages mapped
+            live_rounded = 20 * MiB if not expandable else page  # the 3 MiB block pins its segment (page)
+            assert vramkit.memory_reserved(gpu) == live_rounded
+            vramkit.pool_check(gpu)
+        assert vramkit._C.caching_enabled()  # restored
+        p = vramkit.raw_alloc(40 * MiB, gpu)
+        vramkit.raw_free(p)
+        assert vramkit.memory_reserved(gpu) >= 40 * MiB  # cached again
+        vramkit.raw_free(kept)
+    finally:
+        vramkit.caching_allocator_enable(True)
+        vramkit.empty_cache(gpu)
+        vramkit.configure(gpu, expandable_segments=False)
+
+
+def test_caching_enable_is_restored_after_an_exception(gpu):
+    with pytest.raises(KeyError):
+        with vramkit.caching_allocator_disabled():
+            raise KeyError("x")
+    assert vramkit._C.caching_enabled()
