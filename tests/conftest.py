@@ -71,6 +71,16 @@ def sim():
     return vramkit.sim.create(8 << 30)
 
 
+@pytest.fixture
+def one_torch_thread():
+    """torch on one intra-op thread: tiny matmuls on a busy 2-core machine are ~20x slower with two."""
+    torch = pytest.importorskip("torch")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def subprocess_env() -> dict[str, str]:
     """Environment for child Pythons that must import the same vramkit as the tests."""
     env = dict(os.environ)

@@ -342,6 +342,13 @@ vram_status_t vram__expandable_check(const vram__segment_t *seg);
  * that a process may create by the thousand (vram_trace_replay): the shared range (8 PiB,
  * never reused) would run out. Its addresses may equal other simulated devices'. */
 vram_status_t vram__backend_sim_ctx_private(uint64_t total_bytes, void **ctx);
+/* A ctx for a private pool on a simulated device: its own streams and addresses from the shared
+ * range, drawing on the device's capacity (device_ctx is the device pool's ctx). */
+vram_status_t vram__backend_sim_ctx_sharing(void *device_ctx, void **ctx);
+/* mempool.c, for the registry: the private pool a name ("<device>/mempool:N") refers to, and
+ * the private pool owning a live pointer (1 if found). Lock order: registry, mempools, pool. */
+vram_status_t vram__mempool_get(vram_device_t name, vram_pool_t **out);
+int vram__mempool_owner(const void *ptr, vram_pool_t **out);
 
 /* oom.c (pool lock held) */
 vram_status_t vram__report_oom(vram_pool_t *pool, uint64_t requested, uint64_t segment_size,

@@ -19,7 +19,9 @@ static int num_cuda = -1;
 static vram_pool_t **sim_pools;
 static int num_sim, cap_sim;
 
-#define DEVICE_FORMS "'cpu', 'cuda', 'cuda:N' or 'sim:N' (a simulated device made by vramkit.sim.create)"
+#define DEVICE_FORMS "'cpu', 'cuda', 'cuda:N' or 'sim:N' (a simulated device made by vramkit.sim.create), " \
+                     "optionally followed by '/mempool:N' (a private pool made by vramkit.MemPool)"
+#define MEMPOOL_SUFFIX "/mempool:"
 
 static int parse_index(const char *text, int *out) {
     if (*text < '0' || *text > '9') return -1;
@@ -31,35 +33,59 @@ static int parse_index(const char *text, int *out) {
     return 0;
 }
 
+static vram_status_t parse_device(const char *text, vram_device_t *out);
+
 vram_status_t vram_device_parse(const char *text, vram_device_t *out) {
     if (!text) return vram__fail(VRAM_ERR_INVALID_ARG, "no device given: use " DEVICE_FORMS);
+    const char *suffix = strstr(text, MEMPOOL_SUFFIX);
+    if (!suffix) return parse_device(text, out);
+    char device[32];
+    size_t len = (size_t)(suffix - text);
+    int pool;
+    if (len >= sizeof device || parse_index(suffix + strlen(MEMPOOL_SUFFIX), &pool) != 0 || pool < 1)
+        return vram__fail(VRAM_ERR_INVALID_ARG, "unknown device '%.64s': use " DEVICE_FORMS, text);
+    memcpy(device, text, len);
+    device[len] = 0;
+    vram_status_t status = parse_device(device, out);
+    if (status == VRAM_OK) out->mempool = pool;
+    return status;
+}
+
+static vram_status_t parse_device(const char *text, vram_device_t *out) {
     if (!strcmp(text, "cpu")) {
-        *out = (vram_device_t){VRAM_DEVICE_CPU, 0};
+        *out = (vram_device_t){VRAM_DEVICE_CPU, 0, 0};
         return VRAM_OK;
     }
     if (!strcmp(text, "cuda")) {
-        *out = (vram_device_t){VRAM_DEVICE_CUDA, 0};
+        *out = (vram_device_t){VRAM_DEVICE_CUDA, 0, 0};
         return VRAM_OK;
     }
     int index;
     if (!strncmp(text, "cuda:", 5) && parse_index(text + 5, &index) == 0) {
-        *out = (vram_device_t){VRAM_DEVICE_CUDA, index};
+        *out = (vram_device_t){VRAM_DEVICE_CUDA, index, 0};
         return VRAM_OK;
     }
     if (!strncmp(text, "sim:", 4) && parse_index(text + 4, &index) == 0) {
-        *out = (vram_device_t){VRAM_DEVICE_SIM, index};
+        *out = (vram_device_t){VRAM_DEVICE_SIM, index, 0};
         return VRAM_OK;
     }
     return vram__fail(VRAM_ERR_INVALID_ARG, "unknown device '%.64s': use " DEVICE_FORMS, text);
 }
 
-int vram_device_format(vram_device_t device, char *buf, size_t len) {
+static int format_device(vram_device_t device, char *buf, size_t len) {
     switch (device.kind) {
     case VRAM_DEVICE_CPU: return snprintf(buf, len, "cpu");
     case VRAM_DEVICE_CUDA: return snprintf(buf, len, "cuda:%d", device.index);
     case VRAM_DEVICE_SIM: return snprintf(buf, len, "sim:%d", device.index);
     }
     return snprintf(buf, len, "unknown");
+}
+
+int vram_device_format(vram_device_t device, char *buf, size_t len) {
+    int n = format_device(device, buf, len);
+    if (device.mempool == 0 || n < 0) return n;
+    return n + snprintf((size_t)n < len ? buf + n : NULL, (size_t)n < len ? len - (size_t)n : 0, MEMPOOL_SUFFIX "%d",
+                        device.mempool);
 }
 
 static vram_status_t make_pool(const vram_backend_t *backend, void *ctx, vram_device_t device, vram_pool_t **out) {
@@ -70,7 +96,7 @@ static vram_status_t cpu_get(vram_pool_t **out) {
     if (!cpu_pool) {
         void *ctx = NULL;
         vram_status_t status = vram_backend_cpu_ctx(&ctx);
-        if (status == VRAM_OK) status = make_pool(vram_backend_cpu(), ctx, (vram_device_t){VRAM_DEVICE_CPU, 0}, &cpu_pool);
+        if (status == VRAM_OK) status = make_pool(vram_backend_cpu(), ctx, (vram_device_t){VRAM_DEVICE_CPU, 0, 0}, &cpu_pool);
         if (status != VRAM_OK) return status;
     }
     *out = cpu_pool;
@@ -95,7 +121,7 @@ static vram_status_t cuda_get(int index, vram_pool_t **out) {
         void *ctx = NULL;
         vram_status_t status = vram_backend_cuda_ctx(index, &ctx);
         if (status == VRAM_OK)
-            status = make_pool(vram_backend_cuda(), ctx, (vram_device_t){VRAM_DEVICE_CUDA, index}, &cuda_pools[index]);
+            status = make_pool(vram_backend_cuda(), ctx, (vram_device_t){VRAM_DEVICE_CUDA, index, 0}, &cuda_pools[index]);
         if (status != VRAM_OK) return status;
     }
     *out = cuda_pools[index];
@@ -104,6 +130,7 @@ static vram_status_t cuda_get(int index, vram_pool_t **out) {
 
 vram_status_t vram_device_pool(vram_device_t device, vram_pool_t **out) {
     *out = NULL;
+    if (device.mempool != 0) return vram__mempool_get(device, out);
     vram_status_t status;
     vram__lock(&registry_lock);
     switch (device.kind) {
@@ -142,7 +169,7 @@ vram_status_t vram_sim_create(uint64_t total_bytes, vram_device_t *out) {
         sim_pools = pools;
         cap_sim = cap;
     }
-    vram_device_t device = {VRAM_DEVICE_SIM, num_sim};
+    vram_device_t device = {VRAM_DEVICE_SIM, num_sim, 0};
     status = make_pool(vram_backend_sim(), ctx, device, &sim_pools[num_sim]);
     if (status == VRAM_OK) {
         num_sim++;
@@ -175,6 +202,7 @@ vram_status_t vram_find_pool(const void *ptr, vram_pool_t **out) {
         if (owns(cuda_pools[i], ptr)) *out = cuda_pools[i];
     for (int i = 0; !*out && i < num_sim; i++)
         if (owns(sim_pools[i], ptr)) *out = sim_pools[i];
+    if (!*out) vram__mempool_owner(ptr, out);
     vram__unlock(&registry_lock);
     if (*out) return VRAM_OK;
     return vram__fail(VRAM_ERR_INVALID_ARG,

@@ -18,7 +18,7 @@
 enum { ID_UNUSED = 0, ID_LIVE = 1, ID_FREED = 2 };
 
 /* The device named in the replay pool's OOM message: no simulated device has index -1. */
-#define REPLAY_DEVICE ((vram_device_t){VRAM_DEVICE_SIM, -1})
+#define REPLAY_DEVICE ((vram_device_t){VRAM_DEVICE_SIM, -1, 0})
 
 /* Pass 1: the rules that need no state (id >= 0, size below the limit) and the largest id
  * before the first event breaking them (*bad, n if none). */

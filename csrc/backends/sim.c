@@ -27,9 +27,16 @@
 
 static uint64_t next_address = SIM_BASE; /* shared by all simulated devices, updated atomically */
 
+/* What a device has and what is taken of it: a private pool (vramkit.MemPool) on a simulated
+ * device draws from its device's, so both pools' locks may update it: atomics. */
+typedef struct sim_usage {
+    uint64_t capacity, used;
+} sim_usage_t;
+
 typedef struct sim_ctx {
     vram__host_streams_t streams;
-    uint64_t capacity, used;
+    sim_usage_t own_usage;
+    sim_usage_t *usage; /* &own_usage, or the device's for a private pool */
     uint64_t *next;     /* the bump pointer: &next_address, or &own_next for a private range */
     uint64_t end;       /* where that range ends */
     uint64_t own_next;
@@ -55,18 +62,29 @@ static vram_status_t draw_addresses(sim_ctx_t *s, uint64_t size, uintptr_t *out)
     return VRAM_OK;
 }
 
+/* Count `size` bytes as used if the capacity has them; 0 when it does not. */
+static int take(sim_usage_t *u, uint64_t size) {
+    uint64_t used = __atomic_load_n(&u->used, __ATOMIC_RELAXED);
+    do {
+        if (size > u->capacity - used) return 0;
+    } while (!__atomic_compare_exchange_n(&u->used, &used, used + size, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    return 1;
+}
+
+static void give(sim_usage_t *u, uint64_t size) { __atomic_sub_fetch(&u->used, size, __ATOMIC_RELAXED); }
+
 static vram_status_t sim_segment_alloc(void *ctx, uint64_t size, vram_stream_t stream, uintptr_t *out) {
     (void)stream;
     sim_ctx_t *s = ctx;
-    if (size > s->capacity - s->used) return VRAM_ERR_OOM;
+    if (!take(s->usage, size)) return VRAM_ERR_OOM;
     vram_status_t status = draw_addresses(s, size, out);
-    if (status == VRAM_OK) s->used += size;
+    if (status != VRAM_OK) give(s->usage, size);
     return status;
 }
 
 static void sim_segment_free(void *ctx, uintptr_t addr, uint64_t size) {
     (void)addr;
-    ((sim_ctx_t *)ctx)->used -= size;
+    give(((sim_ctx_t *)ctx)->usage, size);
 }
 
 /* Expandable segments: a reservation only draws addresses; mapping counts against the
@@ -86,9 +104,7 @@ static vram_status_t sim_range_map(void *ctx, uintptr_t addr, uint64_t size, uin
     (void)addr;
     (void)page;
     sim_ctx_t *s = ctx;
-    if (size > s->capacity - s->used) return VRAM_ERR_OOM;
-    s->used += size;
-    return VRAM_OK;
+    return take(s->usage, size) ? VRAM_OK : VRAM_ERR_OOM;
 }
 
 static vram_status_t sim_range_unmap(void *ctx, uintptr_t addr, uint64_t size, uint64_t page) {
@@ -105,8 +121,8 @@ static void sim_range_release(void *ctx, uintptr_t addr, uint64_t size) {
 
 static vram_status_t sim_mem_info(void *ctx, uint64_t *free_bytes, uint64_t *total_bytes) {
     const sim_ctx_t *s = ctx;
-    *free_bytes = s->capacity - s->used;
-    *total_bytes = s->capacity;
+    *total_bytes = s->usage->capacity;
+    *free_bytes = s->usage->capacity - __atomic_load_n(&s->usage->used, __ATOMIC_RELAXED);
     return VRAM_OK;
 }
 
@@ -162,7 +178,8 @@ static vram_status_t make_ctx(uint64_t total_bytes, int private_range, void **ct
         free(s);
         return status;
     }
-    s->capacity = total_bytes;
+    s->own_usage.capacity = total_bytes;
+    s->usage = &s->own_usage;
     s->own_next = SIM_BASE;
     s->next = private_range ? &s->own_next : &next_address;
     s->end = private_range ? SIM_PRIVATE_END : SIM_END;
@@ -173,3 +190,10 @@ static vram_status_t make_ctx(uint64_t total_bytes, int private_range, void **ct
 vram_status_t vram_backend_sim_ctx(uint64_t total_bytes, void **ctx) { return make_ctx(total_bytes, 0, ctx); }
 
 vram_status_t vram__backend_sim_ctx_private(uint64_t total_bytes, void **ctx) { return make_ctx(total_bytes, 1, ctx); }
+
+vram_status_t vram__backend_sim_ctx_sharing(void *device_ctx, void **ctx) {
+    const sim_ctx_t *device = device_ctx;
+    vram_status_t status = make_ctx(device->usage->capacity, 0, ctx);
+    if (status == VRAM_OK) ((sim_ctx_t *)*ctx)->usage = device->usage; /* never freed: device pools live on */
+    return status;
+}

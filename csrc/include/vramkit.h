@@ -80,7 +80,8 @@ typedef enum vram_device_kind {
 
 typedef struct vram_device {
     vram_device_kind_t kind;
-    int index; /* 0 for cpu */
+    int index;   /* 0 for cpu */
+    int mempool; /* 0: the device's own pool; N > 0: private pool N on the device (vram_mempool_create) */
 } vram_device_t;
 
 /* Largest accepted request: sizes at or above 2^62 are rejected as absurd. */
@@ -177,6 +178,22 @@ typedef struct vram_backend {
 VRAM_API VRAM_NODISCARD vram_status_t vram_device_pool(vram_device_t device, vram_pool_t **out);
 /* The pool that owns a live pointer, if any (VRAM_ERR_INVALID_ARG otherwise). */
 VRAM_API VRAM_NODISCARD vram_status_t vram_find_pool(const void *ptr, vram_pool_t **out);
+
+/* Private pools (torch.cuda.MemPool): pools of their own on a device, with their own cache,
+ * counters, history and empty_cache, drawing on the same device (a simulated device's capacity
+ * is shared). Named "<device>/mempool:N" (vram_device_format); vram_device_pool resolves the
+ * name, vram_find_pool searches them too, and they live as long as the process.
+ * vram_mempool_use makes one the target of this thread's allocations on its device (nested uses
+ * stack; vram_mempool_unuse must end the innermost); vram_alloc_pool is where an allocation for
+ * `device` by this thread goes: the innermost private pool in use on it, else the device's pool.
+ * Counters, summaries and empty_cache of the device itself never switch: they name a pool. */
+VRAM_API VRAM_NODISCARD vram_status_t vram_mempool_create(vram_device_t device, vram_device_t *out);
+VRAM_API VRAM_NODISCARD vram_status_t vram_mempool_use(vram_device_t mempool);
+VRAM_API VRAM_NODISCARD vram_status_t vram_mempool_unuse(vram_device_t mempool);
+VRAM_API int vram_mempool_use_count(vram_device_t mempool); /* active uses on all threads; -1: no such pool */
+VRAM_API VRAM_NODISCARD vram_status_t vram_alloc_pool(vram_device_t device, vram_pool_t **out);
+/* The innermost private pool this thread uses on `device`, or NULL (no lock: for hot paths). */
+VRAM_API vram_pool_t *vram_mempool_in_use(vram_device_t device);
 
 /* Stand-alone pools, for C users and tests. The pool takes ownership of `backend_ctx` and
  * calls backend->destroy on it. `conf` uses VRAMKIT_ALLOC_CONF syntax; NULL means defaults. */

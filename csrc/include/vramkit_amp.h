@@ -54,6 +54,29 @@ VRAM_API VRAM_NODISCARD vram_status_t vram_amp_unscale_check(const vram_tensor_t
 VRAM_API VRAM_NODISCARD vram_status_t vram_amp_scale_inplace(const vram_tensor_t *tensors, size_t count,
                                                             float factor);
 
+/* A tensor that is not dense (a slice such as x[:, ::2], a transposed view with gaps): element
+ * (i0, ..., i{ndim-1}) lives at data + sum(ik * strides[k]) elements. shape[k] >= 0; strides
+ * may be negative; no two index tuples may reach the same element (a stride-0 or otherwise
+ * self-overlapping view is refused, as PyTorch refuses to write into one). ndim <= 64. */
+#define VRAM_AMP_MAX_DIMS 64
+typedef struct vram_strided_tensor {
+    void *data;             /* element (0, ..., 0), aligned to the element size */
+    vram_dtype_t dtype;
+    int32_t ndim;           /* 0 (a scalar) .. VRAM_AMP_MAX_DIMS */
+    const int64_t *shape;   /* ndim entries */
+    const int64_t *strides; /* ndim entries, in elements */
+} vram_strided_tensor_t;
+
+/* vram_amp_unscale_check and vram_amp_scale_inplace for strided tensors: the same per-element
+ * arithmetic (the same span functions run on gathered pieces), so every result is bit for bit
+ * what the dense kernels give; sumsq may differ from a dense pass in its last bits (tiles
+ * follow rows here). Dense tensors should go through the dense entry points, which are faster. */
+VRAM_API VRAM_NODISCARD vram_status_t vram_amp_unscale_check_strided(const vram_strided_tensor_t *tensors,
+                                                                    size_t count, float inv_scale,
+                                                                    float *found_inf, double *sumsq);
+VRAM_API VRAM_NODISCARD vram_status_t vram_amp_scale_inplace_strided(const vram_strided_tensor_t *tensors,
+                                                                    size_t count, float factor);
+
 /* The dynamic loss-scale rule. With hysteresis == 1, min_scale == 0 and max_scale == +inf it
  * is exactly torch._amp_update_scale_: on found_inf != 0 the scale is multiplied by
  * backoff_factor (in double, stored as float) and the growth tracker reset; otherwise the

@@ -12,9 +12,6 @@
 #include "../util/parallel.h"
 #include "amp_internal.h"
 
-/* Below this many elements a call runs on the calling thread: waking workers costs a few
- * microseconds, which only pays off once a pass takes tens of microseconds. */
-#define PARALLEL_MIN_ELEMENTS (4 * VRAM_AMP_CHUNK)
 /* Lists with at most this many items keep their item table on the stack. */
 #define STACK_ITEMS 64
 
@@ -67,7 +64,7 @@ static const vram__amp_path_t *best_path(void) {
     return &vram__amp_portable;
 }
 
-static const vram__amp_path_t *current_path(void) {
+const vram__amp_path_t *vram__amp_current_path(void) {
     const vram__amp_path_t *p = __atomic_load_n(&active_path, __ATOMIC_ACQUIRE);
     if (p) return p;
     /* First use: VRAMKIT_SIMD, if it names a supported path, else the best one. Racing first
@@ -79,7 +76,7 @@ static const vram__amp_path_t *current_path(void) {
     return p;
 }
 
-const char *vram_simd_path(void) { return current_path()->name; }
+const char *vram_simd_path(void) { return vram__amp_current_path()->name; }
 
 int vram_simd_supported(const char *path) {
     const vram__amp_path_t *p = path ? find_path(path) : NULL;
@@ -174,8 +171,8 @@ static vram_status_t run_pass(const vram_tensor_t *tensors, size_t count, float 
             items[k++] = (item_t){(uint32_t)i, s, left < VRAM_AMP_CHUNK ? left : VRAM_AMP_CHUNK};
         }
 
-    pass_t pass = {tensors, items, current_path(), factor, write, partials, 0};
-    int threads = total >= PARALLEL_MIN_ELEMENTS ? vram_get_num_threads() : 1;
+    pass_t pass = {tensors, items, vram__amp_current_path(), factor, write, partials, 0};
+    int threads = total >= VRAM_AMP_PARALLEL_MIN ? vram_get_num_threads() : 1;
     vram__parallel_for(n_items, run_item, &pass, threads);
 
     if (sumsq) {

@@ -108,4 +108,12 @@ extern const vram__amp_path_t vram__amp_avx512;
  * 2^62. VRAM_ERR_INVALID_ARG names the first offending index ("tensor 3: ..."). */
 vram_status_t vram__amp_check_list(const vram_tensor_t *tensors, size_t count);
 
+/* The SIMD path in use (VRAMKIT_SIMD or the best supported, chosen on first use); the dense
+ * and strided entry points share it so both round every element the same way. */
+const vram__amp_path_t *vram__amp_current_path(void);
+
+/* Below this many elements a call runs on the calling thread: waking workers costs a few
+ * microseconds, which only pays off once a pass takes tens of microseconds. */
+#define VRAM_AMP_PARALLEL_MIN (4 * VRAM_AMP_CHUNK)
+
 #endif

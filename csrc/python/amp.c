@@ -60,6 +60,13 @@ static void list_close(tensor_list_t *l) {
     Py_DECREF(l->seq);
 }
 
+/* What both unscale bindings return: (found_inf, sumsq or None), or the error. */
+static PyObject *unscale_result(vram_status_t st, float found, int want_sumsq, double sumsq) {
+    if (st != VRAM_OK) return vk_raise(st);
+    if (want_sumsq) return Py_BuildValue("(Od)", found != 0.0f ? Py_True : Py_False, sumsq);
+    return Py_BuildValue("(OO)", found != 0.0f ? Py_True : Py_False, Py_None);
+}
+
 /* _C.amp_unscale_check(tensors, inv_scale, want_sumsq) -> (found_inf: bool, sumsq: float | None) */
 static PyObject *amp_unscale_check(PyObject *self, PyObject *args) {
     (void)self;
@@ -75,9 +82,7 @@ static PyObject *amp_unscale_check(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS st = vram_amp_unscale_check(l.items, (size_t)l.count, inv_scale, &found,
                                                         want_sumsq ? &sumsq : NULL);
     Py_END_ALLOW_THREADS list_close(&l);
-    if (st != VRAM_OK) return vk_raise(st);
-    if (want_sumsq) return Py_BuildValue("(Od)", found != 0.0f ? Py_True : Py_False, sumsq);
-    return Py_BuildValue("(OO)", found != 0.0f ? Py_True : Py_False, Py_None);
+    return unscale_result(st, found, want_sumsq, sumsq);
 }
 
 /* _C.amp_scale_inplace(tensors, factor) */
@@ -91,6 +96,119 @@ static PyObject *amp_scale_inplace(PyObject *self, PyObject *args) {
     vram_status_t st;
     Py_BEGIN_ALLOW_THREADS st = vram_amp_scale_inplace(l.items, (size_t)l.count, factor);
     Py_END_ALLOW_THREADS list_close(&l);
+    if (st != VRAM_OK) return vk_raise(st);
+    Py_RETURN_NONE;
+}
+
+/* ---- strided (not dense) tensors: (data_ptr, dtype_code, shape, strides) tuples ---- */
+
+typedef struct strided_list {
+    vram_strided_tensor_t *items;
+    int64_t *dims; /* shapes and strides of every tensor, back to back */
+    Py_ssize_t count;
+} strided_list_t;
+
+static void strided_close(strided_list_t *l) {
+    PyMem_Free(l->items);
+    PyMem_Free(l->dims);
+}
+
+/* Read a tuple of ints into out[0..n); -1 with an exception naming tensor i. */
+static int parse_dims(PyObject *tup, Py_ssize_t i, const char *what, int64_t *out, Py_ssize_t n) {
+    for (Py_ssize_t k = 0; k < n; k++) {
+        long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(tup, k));
+        if (v == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "tensor %zd: %s must be a tuple of ints in the int64 range", i, what);
+            return -1;
+        }
+        out[k] = v;
+    }
+    return 0;
+}
+
+static int strided_open(strided_list_t *l, PyObject *obj) {
+    l->items = NULL;
+    l->dims = NULL;
+    PyObject *seq = PySequence_Fast(obj, "tensors must be a sequence of (data_ptr, dtype_code, shape, strides) tuples");
+    if (!seq) return -1;
+    l->count = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; i < l->count; i++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 4 || !PyTuple_Check(PyTuple_GET_ITEM(t, 2)) ||
+            !PyTuple_Check(PyTuple_GET_ITEM(t, 3)) ||
+            PyTuple_GET_SIZE(PyTuple_GET_ITEM(t, 2)) != PyTuple_GET_SIZE(PyTuple_GET_ITEM(t, 3))) {
+            PyErr_Format(PyExc_TypeError, "tensor %zd: expected a (data_ptr, dtype_code, shape, strides) tuple with "
+                         "shape and strides tuples of one length", i);
+            goto fail;
+        }
+        Py_ssize_t nd = PyTuple_GET_SIZE(PyTuple_GET_ITEM(t, 2));
+        if (nd > VRAM_AMP_MAX_DIMS) {
+            PyErr_Format(PyExc_ValueError, "tensor %zd: %zd dimensions (allowed: at most %d)", i, nd, VRAM_AMP_MAX_DIMS);
+            goto fail;
+        }
+        total += 2 * nd;
+    }
+    l->items = PyMem_New(vram_strided_tensor_t, (size_t)(l->count ? l->count : 1));
+    l->dims = PyMem_New(int64_t, (size_t)(total ? total : 1));
+    if (!l->items || !l->dims) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    int64_t *d = l->dims;
+    for (Py_ssize_t i = 0; i < l->count; i++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(seq, i);
+        unsigned long long ptr = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, 0));
+        long dtype = PyLong_AsLong(PyTuple_GET_ITEM(t, 1));
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "tensor %zd: data_ptr and dtype_code must be ints", i);
+            goto fail;
+        }
+        PyObject *shape = PyTuple_GET_ITEM(t, 2), *strides = PyTuple_GET_ITEM(t, 3);
+        Py_ssize_t nd = PyTuple_GET_SIZE(shape);
+        if (parse_dims(shape, i, "shape", d, nd) < 0 || parse_dims(strides, i, "strides", d + nd, nd) < 0) goto fail;
+        l->items[i] = (vram_strided_tensor_t){(void *)(uintptr_t)ptr, (vram_dtype_t)dtype, (int32_t)nd, d, d + nd};
+        d += 2 * nd;
+    }
+    Py_DECREF(seq);
+    return 0;
+fail:
+    Py_DECREF(seq);
+    strided_close(l);
+    return -1;
+}
+
+/* _C.amp_unscale_check_strided(tensors, inv_scale, want_sumsq) -> (found_inf, sumsq | None) */
+static PyObject *amp_unscale_check_strided(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *obj;
+    float inv_scale;
+    int want_sumsq;
+    if (!PyArg_ParseTuple(args, "Ofp:amp_unscale_check_strided", &obj, &inv_scale, &want_sumsq)) return NULL;
+    strided_list_t l;
+    if (strided_open(&l, obj) < 0) return NULL;
+    float found = 0.0f;
+    double sumsq = 0.0;
+    vram_status_t st;
+    Py_BEGIN_ALLOW_THREADS st = vram_amp_unscale_check_strided(l.items, (size_t)l.count, inv_scale, &found,
+                                                                want_sumsq ? &sumsq : NULL);
+    Py_END_ALLOW_THREADS strided_close(&l);
+    return unscale_result(st, found, want_sumsq, sumsq);
+}
+
+/* _C.amp_scale_inplace_strided(tensors, factor) */
+static PyObject *amp_scale_inplace_strided(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *obj;
+    float factor;
+    if (!PyArg_ParseTuple(args, "Of:amp_scale_inplace_strided", &obj, &factor)) return NULL;
+    strided_list_t l;
+    if (strided_open(&l, obj) < 0) return NULL;
+    vram_status_t st;
+    Py_BEGIN_ALLOW_THREADS st = vram_amp_scale_inplace_strided(l.items, (size_t)l.count, factor);
+    Py_END_ALLOW_THREADS strided_close(&l);
     if (st != VRAM_OK) return vk_raise(st);
     Py_RETURN_NONE;
 }
@@ -291,6 +409,11 @@ static PyMethodDef methods[] = {
     {"amp_unscale_check", amp_unscale_check, METH_VARARGS,
      "amp_unscale_check(tensors, inv_scale, want_sumsq) -> (found_inf, sumsq or None)"},
     {"amp_scale_inplace", amp_scale_inplace, METH_VARARGS, "amp_scale_inplace(tensors, factor)"},
+    {"amp_unscale_check_strided", amp_unscale_check_strided, METH_VARARGS,
+     "amp_unscale_check_strided(tensors, inv_scale, want_sumsq) -> (found_inf, sumsq or None); tensors of "
+     "(data_ptr, dtype_code, shape, strides_in_elements)"},
+    {"amp_scale_inplace_strided", amp_scale_inplace_strided, METH_VARARGS,
+     "amp_scale_inplace_strided(tensors, factor)"},
     {"amp_update_scale", amp_update_scale, METH_VARARGS,
      "amp_update_scale(scale_ptr, growth_tracker_ptr, hysteresis_tracker_ptr, found_inf_ptr, policy)"},
     {"amp_check_policy", amp_check_policy, METH_O, "amp_check_policy(policy)"},

@@ -63,7 +63,7 @@ static PyObject *empty_buffer(PyObject *mod, PyObject *args) {
         return NULL;
     uint64_t nbytes;
     vram_pool_t *pool;
-    if (vk_size_from_arg(nbytes_obj, "nbytes", &nbytes) != 0 || vk_pool_from_arg(device, &pool) != 0) return NULL;
+    if (vk_size_from_arg(nbytes_obj, "nbytes", &nbytes) != 0 || vk_alloc_pool_from_arg(device, &pool) != 0) return NULL;
     Py_ssize_t ndim = PyTuple_GET_SIZE(shape);
     if (ndim > MAX_DIMS || strlen(format) >= 16 || strlen(typestr) >= 16 || itemsize <= 0) {
         PyErr_Format(PyExc_ValueError, "a Buffer has at most %d dimensions and a valid dtype", MAX_DIMS);

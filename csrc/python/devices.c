@@ -26,8 +26,8 @@ static int resolve(vram_device_t device, vram_pool_t **pool) {
 
 static int ensure_default(void) {
     if (default_pool) return 0;
-    vram_device_t device = {VRAM_DEVICE_CPU, 0};
-    if (vram_cuda_device_count() > 0) device = (vram_device_t){VRAM_DEVICE_CUDA, 0};
+    vram_device_t device = {VRAM_DEVICE_CPU, 0, 0};
+    if (vram_cuda_device_count() > 0) device = (vram_device_t){VRAM_DEVICE_CUDA, 0, 0};
     if (resolve(device, &default_pool) != 0) return -1;
     default_device = device;
     return 0;
@@ -61,7 +61,7 @@ static int device_from_arg(PyObject *arg, vram_device_t *out) {
             PyErr_Format(PyExc_ValueError, "CUDA device index must be non-negative, got %ld", index);
             return -1;
         }
-        *out = (vram_device_t){VRAM_DEVICE_CUDA, (int)index};
+        *out = (vram_device_t){VRAM_DEVICE_CUDA, (int)index, 0};
         return 0;
     }
     if (PyObject_HasAttrString(arg, "type") && PyObject_HasAttrString(arg, "index")) { /* torch.device */
@@ -86,6 +86,18 @@ int vk_pool_from_arg(PyObject *device, vram_pool_t **pool) {
     vram_device_t d;
     if (device_from_arg(device, &d) != 0) return -1;
     return resolve(d, pool);
+}
+
+int vk_device_from_arg(PyObject *device, vram_device_t *out) { return device_from_arg(device, out); }
+
+int vk_alloc_pool_from_arg(PyObject *device, vram_pool_t **pool) {
+    vram_device_t d;
+    if (device_from_arg(device == NULL ? Py_None : device, &d) != 0) return -1;
+    vram_status_t status = vram_alloc_pool(d, pool);
+    if (status == VRAM_OK) return 0;
+    if (status == VRAM_ERR_UNAVAILABLE && d.kind == VRAM_DEVICE_SIM) status = VRAM_ERR_INVALID_ARG;
+    vk_raise(status);
+    return -1;
 }
 
 int vk_size_from_arg(PyObject *obj, const char *what, uint64_t *out) {

@@ -11,7 +11,7 @@ static PyObject *oom_exception(void) {
     /* Copy the message first: building the arguments can run finalizers that call vramkit. */
     char message[1024];
     snprintf(message, sizeof message, "%s", vram_last_error());
-    PyObject *device = vk_device_name((vram_device_t){(vram_device_kind_t)info.device_kind, info.device_index});
+    PyObject *device = vk_device_name((vram_device_t){(vram_device_kind_t)info.device_kind, info.device_index, 0});
     if (!device) return NULL;
     PyObject *allowed = info.allowed == UINT64_MAX ? Py_NewRef(Py_None) : PyLong_FromUnsignedLongLong(info.allowed);
     PyObject *kwargs = allowed ? Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:O,s:O}",

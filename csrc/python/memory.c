@@ -93,7 +93,7 @@ static PyObject *raw_alloc(PyObject *self, PyObject *const *args, Py_ssize_t nar
     vram_stream_t stream;
     vram_pool_t *pool;
     if (fast_args(args, nargs, kwnames, "raw_alloc", names, 3, 1, a) != 0 ||
-        vk_size_from_arg(a[0], "nbytes", &nbytes) != 0 || vk_pool_from_arg(a[1], &pool) != 0 ||
+        vk_size_from_arg(a[0], "nbytes", &nbytes) != 0 || vk_alloc_pool_from_arg(a[1], &pool) != 0 ||
         stream_from_arg(a[2], &stream) != 0)
         return NULL;
     uint64_t context = vk_capture_context(pool);

@@ -17,6 +17,11 @@ int vk_errors_init(PyObject *module);
 /* devices.c: resolve a device argument (None = the default device, "cpu", "cuda:1",
  * "sim:0", an int CUDA index, or a torch.device) to its pool. Returns -1 with an exception. */
 int vk_pool_from_arg(PyObject *device, vram_pool_t **pool);
+/* The same for allocations: the private pool this thread uses on the device (vramkit.use_mem_pool),
+ * if any, else the device's pool. Counters and summaries use vk_pool_from_arg: they name a pool. */
+int vk_alloc_pool_from_arg(PyObject *device, vram_pool_t **pool);
+/* The device an argument names, without creating its pool. */
+int vk_device_from_arg(PyObject *device, vram_device_t *out);
 int vk_devices_init(PyObject *module);
 /* The canonical device string, as a new reference. */
 PyObject *vk_device_name(vram_device_t device);
@@ -41,6 +46,7 @@ int vk_amp_init(PyObject *module);        /* amp.c: loss-scaling kernels */
 int vk_checkpoint_init(PyObject *module); /* checkpoint.c: the checkpoint planner */
 int vk_trace_init(PyObject *module);      /* trace.c: allocation trace replay */
 int vk_smi_init(PyObject *module);        /* smi.c: GPUs and their processes from NVML */
+int vk_mempool_init(PyObject *module);    /* mempool.c: private pools (vramkit.MemPool) */
 
 /* Add a NULL-terminated method table to the module. */
 int vk_add_methods(PyObject *module, PyMethodDef *methods);

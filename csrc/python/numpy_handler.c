@@ -30,11 +30,28 @@ static void warn_oom(vram_status_t status) {
     PyGILState_Release(gil);
 }
 
+#define CPU_DEVICE ((vram_device_t){VRAM_DEVICE_CPU, 0, 0})
+
+/* Where this thread's arrays go: the cpu pool, or a private pool inside vramkit.use_mem_pool. */
+static vram_pool_t *target_pool(void) {
+    vram_pool_t *in_use = vram_mempool_in_use(CPU_DEVICE);
+    return in_use ? in_use : cpu_pool;
+}
+
+/* The pool a live array's memory came from: the cpu pool, else a private one. */
+static vram_pool_t *owner_pool(void *ptr) {
+    vram_block_info_t info;
+    vram_pool_t *pool = cpu_pool;
+    if (vram_block_query(cpu_pool, ptr, &info) != VRAM_OK && vram_find_pool(ptr, &pool) != VRAM_OK) return NULL;
+    return pool;
+}
+
 /* NumPy may ask for 0 bytes and treats NULL as failure; give it the smallest block. */
 static void *np_malloc(void *ctx, size_t size) {
     (void)ctx;
     void *p = NULL;
-    vram_status_t status = vram_malloc(cpu_pool, size ? size : 1, 0, vk_capture_context(cpu_pool), &p);
+    vram_pool_t *pool = target_pool();
+    vram_status_t status = vram_malloc(pool, size ? size : 1, 0, vk_capture_context(pool), &p);
     if (status != VRAM_OK) {
         warn_oom(status);
         return NULL;
@@ -50,7 +67,8 @@ static void *np_calloc(void *ctx, size_t nelem, size_t elsize) {
     if (elsize && nelem > SIZE_MAX / elsize) return NULL;
     size_t size = nelem * elsize;
     void *p = NULL;
-    vram_status_t status = vram_calloc(cpu_pool, size ? size : 1, 0, vk_capture_context(cpu_pool), &p);
+    vram_pool_t *pool = target_pool();
+    vram_status_t status = vram_calloc(pool, size ? size : 1, 0, vk_capture_context(pool), &p);
     if (status != VRAM_OK) {
         warn_oom(status);
         return NULL;
@@ -61,12 +79,13 @@ static void *np_calloc(void *ctx, size_t nelem, size_t elsize) {
 static void *np_realloc(void *ctx, void *ptr, size_t new_size) {
     if (!ptr) return np_malloc(ctx, new_size);
     vram_block_info_t info;
-    if (vram_block_query(cpu_pool, ptr, &info) != VRAM_OK) return NULL;
+    vram_pool_t *owner = owner_pool(ptr);
+    if (!owner || vram_block_query(owner, ptr, &info) != VRAM_OK) return NULL;
     /* Always move: keeping the old block would leave requested_bytes describing the old size. */
     void *fresh = np_malloc(ctx, new_size);
     if (!fresh) return NULL;
     memcpy(fresh, ptr, info.requested_size < new_size ? info.requested_size : new_size);
-    if (vram_free(cpu_pool, ptr, vk_capture_context(cpu_pool)) != VRAM_OK) {
+    if (vram_free(owner, ptr, vk_capture_context(owner)) != VRAM_OK) {
         /* unreachable: ptr was just found by vram_block_query */
     }
     return fresh;
@@ -75,8 +94,12 @@ static void *np_realloc(void *ctx, void *ptr, size_t new_size) {
 static void np_free(void *ctx, void *ptr, size_t size) {
     (void)ctx;
     (void)size;
-    /* NumPy frees through the handler that allocated, so ptr is ours; free has no error path. */
-    if (ptr && vram_free(cpu_pool, ptr, vk_capture_context(cpu_pool)) != VRAM_OK) {
+    /* NumPy frees through the handler that allocated, so ptr is ours; free has no error path.
+     * Most arrays are the cpu pool's: try it first, then the private pools. */
+    int freed = 0;
+    if (!ptr || vram_try_free(cpu_pool, ptr, vk_capture_context(cpu_pool), &freed) != VRAM_OK || freed) return;
+    vram_pool_t *owner = owner_pool(ptr);
+    if (owner && vram_free(owner, ptr, vk_capture_context(owner)) != VRAM_OK) {
     }
 }
 
@@ -89,7 +112,7 @@ static PyDataMem_Handler vramkit_handler = {
 static int ensure_ready(void) {
     if (handler_capsule) return 0;
     if (PyArray_ImportNumPyAPI() < 0) return -1;
-    vram_status_t status = vram_device_pool((vram_device_t){VRAM_DEVICE_CPU, 0}, &cpu_pool);
+    vram_status_t status = vram_device_pool((vram_device_t){VRAM_DEVICE_CPU, 0, 0}, &cpu_pool);
     if (status != VRAM_OK) {
         vk_raise(status);
         return -1;

@@ -19,13 +19,13 @@ static _Atomic int route_index;
 static atomic_uint_fast64_t stray_frees;
 
 static vram_status_t pool_for(int device, vram_pool_t **out) {
-    vram_device_t target = {VRAM_DEVICE_CUDA, device};
+    vram_device_t target = {VRAM_DEVICE_CUDA, device, 0};
     int kind = atomic_load_explicit(&route_kind, memory_order_acquire);
-    if (kind != VRAM_DEVICE_CUDA) target = (vram_device_t){(vram_device_kind_t)kind, atomic_load(&route_index)};
+    if (kind != VRAM_DEVICE_CUDA) target = (vram_device_t){(vram_device_kind_t)kind, atomic_load(&route_index), 0};
     if (device < 0)
         return vram__fail(VRAM_ERR_INVALID_ARG, "torch asked vramkit for memory on CUDA device %d, which does not exist",
                           device);
-    return vram_device_pool(target, out);
+    return vram_alloc_pool(target, out); /* a private pool when this thread is inside vramkit.use_mem_pool */
 }
 
 vram_status_t vram_torch_malloc(int64_t size, int device, void *stream, void **out) {

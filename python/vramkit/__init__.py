@@ -58,6 +58,7 @@ from .memory_compat import (
     reset_max_memory_cached,
     reset_peak_host_memory_stats,
 )
+from .mempool import MemPool, use_mem_pool
 from .smi import list_gpu_processes
 from . import amp, sim, survive
 from .leaks import watch_leaks
@@ -83,6 +84,7 @@ __all__ = [
     "host_memory_stats", "host_memory_stats_as_nested_dict", "list_gpu_processes", "max_memory_cached",
     "memory_cached", "memory_stats_as_nested_dict", "reset_accumulated_host_memory_stats",
     "reset_max_memory_allocated", "reset_max_memory_cached", "reset_peak_host_memory_stats",
+    "MemPool", "use_mem_pool",
 ]
 
 

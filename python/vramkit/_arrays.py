@@ -3,7 +3,8 @@
 Accepted: NumPy arrays (float16/32/64, and bfloat16 from ml_dtypes), torch tensors (CPU and
 CUDA), CuPy arrays and other objects with ``__cuda_array_interface__``, vramkit Buffers, and
 any object with ``__dlpack__``. Each becomes a ``Ref``: data pointer, element count, dtype
-code, device and family. Everything is checked before any kernel runs, so a bad list
+code, device and family; a tensor that is not dense (``x[:, ::2]``) also carries its shape and
+strides, and goes to the strided kernels, which update it in place (no copy). Everything is checked before any kernel runs, so a bad list
 changes nothing; errors name the offending tensor's index.
 """
 
@@ -31,6 +32,9 @@ class Ref(NamedTuple):
     device: str  # "cpu" or "cuda:N"
     family: str  # "numpy", "torch", "cupy", "vramkit", "dlpack", "cuda_array_interface"
     stream: int | None  # a CUDA stream the data is ordered on, when the producer says so
+    # Only for tensors that are not dense: shape and strides in elements (None: dense, ptr..numel).
+    shape: tuple | None = None
+    strides: tuple | None = None
 
 
 def _is_dense(shape: Sequence[int], strides: Sequence[int] | None) -> bool:
@@ -61,11 +65,8 @@ def _torch_ref(t: Any, i: int) -> Ref:
     if code is None:
         raise TypeError(f"tensor {i}: dtype {t.dtype} cannot be unscaled (allowed: {_ALLOWED})")
     if t.layout != torch.strided:
-        raise TypeError(f"tensor {i}: {t.layout} tensors are not supported; pass the values of a "
-                        "coalesced sparse tensor (t.coalesce()._values())")
-    if not _is_dense(t.shape, t.stride()):
-        raise ValueError(f"tensor {i}: not contiguous (shape {tuple(t.shape)}, strides {t.stride()}); "
-                         "an unscale must update the gradient itself, so a copy would not do")
+        raise TypeError(f"tensor {i}: {t.layout} tensors are not supported here (allowed: strided tensors); "
+                        "GradScaler unscales sparse COO gradients through their _values(), or pass t._values()")
     dev = t.device
     if dev.type == "cpu":
         device = "cpu"
@@ -73,6 +74,9 @@ def _torch_ref(t: Any, i: int) -> Ref:
         device = f"cuda:{dev.index if dev.index is not None else torch.cuda.current_device()}"
     else:
         raise ValueError(f"tensor {i}: device {dev} is not supported (allowed: cpu, cuda)")
+    strides = t.stride()
+    if not _is_dense(t.shape, strides):
+        return Ref(t.data_ptr(), t.numel(), code, device, "torch", None, tuple(t.shape), tuple(strides))
     return Ref(t.data_ptr(), t.numel(), code, device, "torch", None)
 
 
@@ -108,9 +112,17 @@ def _numpy_ref(a: Any, i: int) -> Ref:
     if not flags & _NPY_WRITEABLE:
         raise ValueError(f"tensor {i}: the array is read-only")
     if not flags & (_NPY_C_CONTIGUOUS | _NPY_F_CONTIGUOUS):
-        raise ValueError(f"tensor {i}: not contiguous (shape {a.shape}, strides {a.strides}); an unscale must "
-                         "update the gradient itself, so a copy would not do")
+        strides = _element_strides(a.strides, _ITEMSIZE[code], i)
+        if not _is_dense(a.shape, strides):
+            return Ref(ptr, size, code, "cpu", "numpy", None, tuple(a.shape), strides)
     return Ref(ptr, size, code, "cpu", "numpy", None)
+
+
+def _element_strides(byte_strides: Sequence[int], itemsize: int, i: int) -> tuple:
+    if any(s % itemsize for s in byte_strides):
+        raise ValueError(f"tensor {i}: strides {tuple(byte_strides)} bytes are not multiples of the {itemsize}-byte "
+                         "element size, so its elements are misaligned (allowed: element-aligned strides)")
+    return tuple(s // itemsize for s in byte_strides)
 
 
 def _buffer_ref(b: Any, i: int) -> Ref:
@@ -135,19 +147,17 @@ def _cai_ref(obj: Any, i: int) -> Ref:
     shape = tuple(cai["shape"])
     strides = cai.get("strides")
     if strides is not None:
-        itemsize = _ITEMSIZE[code]
-        if any(s % itemsize for s in strides):
-            raise ValueError(f"tensor {i}: strides {strides} are not multiples of the element size")
-        strides = [s // itemsize for s in strides]
-    if not _is_dense(shape, strides):
-        raise ValueError(f"tensor {i}: not contiguous (shape {shape}, strides {cai.get('strides')})")
+        strides = _element_strides(strides, _ITEMSIZE[code], i)
+        if _is_dense(shape, strides):
+            strides = None
     dev = getattr(obj, "device", None)
     index = getattr(dev, "id", None)
     if not isinstance(index, int):
         index = 0  # the interface carries no device; CuPy and vramkit both say, others are assumed on device 0
     stream = cai.get("stream")
     family = "cupy" if type(obj).__module__.startswith("cupy") else "cuda_array_interface"
-    return Ref(ptr, _prod(shape), code, f"cuda:{index}", family, stream if isinstance(stream, int) else None)
+    return Ref(ptr, _prod(shape), code, f"cuda:{index}", family, stream if isinstance(stream, int) else None,
+               shape if strides is not None else None, strides)
 
 
 def _dlpack_ref(obj: Any, i: int, keep: list) -> Ref:
@@ -163,14 +173,14 @@ def _dlpack_ref(obj: Any, i: int, keep: list) -> Ref:
                         f"(allowed: {_ALLOWED})")
     if readonly:
         raise ValueError(f"tensor {i}: the array is read-only")
-    if not _is_dense(shape, strides):
-        raise ValueError(f"tensor {i}: not contiguous (shape {shape}, strides {strides})")
     if dev_type in (_DL_CPU, _DL_CUDA_HOST):
         device = "cpu"
     elif dev_type in (_DL_CUDA, _DL_CUDA_MANAGED):
         device = f"cuda:{dev_id}"
     else:
         raise ValueError(f"tensor {i}: DLPack device type {dev_type} is not supported (allowed: cpu, cuda)")
+    if not _is_dense(shape, strides):
+        return Ref(ptr, _prod(shape), dtype, device, "dlpack", None, tuple(shape), tuple(strides))
     return Ref(ptr, _prod(shape), dtype, device, "dlpack", None)
 
 
@@ -211,9 +221,21 @@ def describe_all(arrays: Any, what: str = "grads") -> tuple[list[Ref], list]:
     return refs, keep
 
 
+def _span(r: Ref) -> tuple[int, int]:
+    """The byte range [start, end) a tensor's elements lie in."""
+    size = _ITEMSIZE[r.dtype]
+    if r.strides is None:
+        return r.ptr, r.ptr + r.numel * size
+    low = sum(st * (n - 1) for n, st in zip(r.shape, r.strides) if st < 0)
+    high = sum(st * (n - 1) for n, st in zip(r.shape, r.strides) if st > 0)
+    return r.ptr + low * size, r.ptr + (high + 1) * size
+
+
 def check_no_overlap(refs: Sequence[Ref]) -> None:
-    """An element listed twice would be unscaled twice: refuse overlapping tensors."""
-    spans = sorted((r.ptr, r.ptr + r.numel * _ITEMSIZE[r.dtype], i) for i, r in enumerate(refs) if r.numel)
+    """An element listed twice would be unscaled twice: refuse overlapping tensors. A strided
+    tensor counts as the whole range it spans (so two interleaved views of one buffer are
+    refused too; pass the buffer itself instead)."""
+    spans = sorted(_span(r) + (i,) for i, r in enumerate(refs) if r.numel)
     for (s0, e0, i0), (s1, _e1, i1) in zip(spans, spans[1:]):
         if s1 < e0:
             a, b = sorted((i0, i1))
@@ -221,7 +243,24 @@ def check_no_overlap(refs: Sequence[Ref]) -> None:
 
 
 def triples(refs: Sequence[Ref]) -> list[tuple[int, int, int]]:
-    return [(r.ptr, r.numel, r.dtype) for r in refs]
+    """(ptr, numel, dtype) of dense refs, for the dense kernels."""
+    out = [(r.ptr, r.numel, r.dtype) for r in refs if r.strides is None]
+    if len(out) != len(refs):
+        i, r = next((i, r) for i, r in enumerate(refs) if r.strides is not None)
+        raise ValueError(f"tensor {i} on {r.device} is not dense (shape {r.shape}, strides {r.strides} elements); "
+                         "the CUDA kernels take dense tensors only (strided tensors are supported on the CPU)")
+    return out
+
+
+def split(refs: Sequence[Ref]) -> tuple[list, list]:
+    """(dense triples, strided (ptr, dtype, shape, strides) quads) for the CPU kernels, one pass."""
+    dense, strided = [], []
+    for r in refs:
+        if r.strides is None:
+            dense.append((r.ptr, r.numel, r.dtype))
+        else:
+            strided.append((r.ptr, r.dtype, r.shape, r.strides))
+    return dense, strided
 
 
 def _np() -> Any:

@@ -464,31 +464,51 @@ def _check_trainable(fns: list, x: torch.Tensor) -> None:
                          "under torch.no_grad())")
 
 
-def checkpoint_sequential(functions: Any, input: torch.Tensor, budget: Any = None, segments: int | None = None,
-                          algorithm: str = "optimal", loss_fn: Callable | None = None) -> torch.Tensor:
-    """Run a sequential chain with activation checkpointing.
+def checkpoint_sequential(functions: Any, segments: int | None = None, input: torch.Tensor | None = None,
+                          use_reentrant: bool | None = None, *, budget: Any = None, algorithm: str = "optimal",
+                          loss_fn: Callable | None = None, preserve_rng_state: bool = True) -> torch.Tensor:
+    """Run a sequential chain with activation checkpointing; torch's argument order.
 
-    ``segments=k``: as ``torch.utils.checkpoint.checkpoint_sequential`` (non-reentrant).
-    ``budget``: bytes (int), or a float in (0, 1] meaning that fraction of the activation memory
-    of storing everything (as ``plan(..., "none")`` predicts); the chain is profiled once,
-    planned with ``algorithm`` and executed; ``out.backward()`` (through any loss) runs the rest
-    of the schedule. Raises ``BudgetTooSmallError`` when the budget is below the minimum.
-    ``loss_fn`` (output -> scalar), when given, is measured too, so the budget covers the memory
-    the loss keeps (cross-entropy's softmax); without it that memory comes on top of the budget.
+    ``checkpoint_sequential(model, k, x)``: as ``torch.utils.checkpoint.checkpoint_sequential``
+    (``k`` equal segments, all but the last checkpointed; ``use_reentrant`` None means False).
+    ``checkpoint_sequential(model, None, x, budget=b)``: ``b`` is bytes (int), or a float in
+    (0, 1] meaning that fraction of the activation memory of storing everything (as
+    ``plan(..., "none")`` predicts); the chain is profiled once, planned with ``algorithm`` and
+    executed; ``out.backward()`` (through any loss) runs the rest of the schedule. Raises
+    ``BudgetTooSmallError`` when the budget is below the minimum. ``loss_fn`` (output ->
+    scalar), when given, is measured too, so the budget covers the memory the loss keeps
+    (cross-entropy's softmax); without it that memory comes on top of the budget.
     """
+    from ._ckpt_fn import _equal_segments, _order_error
+
+    if isinstance(segments, torch.Tensor):
+        raise _order_error(functions, segments, input, budget)
     if budget is not None and segments is not None:
-        raise ValueError("give either budget= or segments=, not both")
+        raise ValueError("give either segments (torch's equal segments) or budget=, not both")
     if budget is None and segments is None:
-        raise ValueError("give budget= (bytes, or a fraction in (0, 1]) or segments=k")
+        raise ValueError("give segments (an int, torch's equal segments) or segments=None with budget= (bytes, "
+                         "or a fraction in (0, 1])")
     fns = _as_functions(functions)
+    if input is None:
+        raise TypeError("checkpoint_sequential: input (the chain's input Tensor, third argument) is missing")
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"input must be a Tensor, got {type(input).__name__}")
+    if use_reentrant is None:
+        use_reentrant = False
+    if not isinstance(use_reentrant, bool):
+        raise TypeError(f"use_reentrant must be True, False or None, got {use_reentrant!r}")
     if segments is not None:
         if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= len(fns):
             raise ValueError(f"segments must be an int in 1..{len(fns)}, got {segments!r}")
         if loss_fn is not None:
-            raise ValueError("loss_fn= only applies with budget= (segments= plans nothing)")
-        return torch.utils.checkpoint.checkpoint_sequential(fns, segments, input, use_reentrant=False)
+            raise ValueError("loss_fn= only applies with budget= (segments plans nothing)")
+        return _equal_segments(fns, segments, input, use_reentrant, preserve_rng_state)
+    if use_reentrant:
+        raise ValueError("use_reentrant=True only applies to segments; with budget= the planned schedule runs "
+                         "its own executor (allowed: None or False)")
+    if not preserve_rng_state:
+        raise ValueError("preserve_rng_state=False only applies to segments; the planned executor always "
+                         "restores the RNG state for recomputation")
     _check_loss_fn(loss_fn)
     if algorithm not in _ck.ALGORITHMS or algorithm in ("segments",):
         raise ValueError(f"algorithm must be one of optimal, revolve, sqrt, none with budget=, got {algorithm!r}")

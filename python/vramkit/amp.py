@@ -29,6 +29,7 @@ import numpy as np
 from . import _C
 from . import _arrays
 from ._devices import is_available
+from ._amp_grads import _cpu_scale, _cpu_unscale, _grads_of, _sparse_grads
 from ._amp_state import HostScalars, host_float, policy, scalars_for, set_host_float
 
 __all__ = ["GradScaler", "OptState", "non_finite_check_and_unscale_", "scale_", "unscale_", "unscale_and_norm_",
@@ -41,7 +42,7 @@ def _run_unscale(refs: list, inv: Any, ns: Any, found: Any, want_norm: bool, str
     """Unscale one device's refs. CPU: inv is a number, returns (found, sumsq). CUDA: inv, found
     are device scalars of ``ns``; returns a device float64 sumsq scalar (or None)."""
     if not ns.is_cuda:
-        return _C.amp_unscale_check(_arrays.triples(refs), float(inv), want_norm)
+        return _cpu_unscale(refs, float(inv), want_norm)
     sumsq = ns.full(0.0, "float64") if want_norm else None
     _C.amp_unscale_check_cuda(_arrays.triples(refs), ns.ptr(inv), ns.ptr(found), ns.ptr(sumsq) if want_norm else 0,
                               stream if stream is not None else ns.stream(), ns.index)
@@ -63,7 +64,7 @@ def unscale_(grads: Iterable[Any], inv_scale: float, *, stream: int | None = Non
         return False
     ns = _ns_for(refs)
     if not ns.is_cuda:
-        return _C.amp_unscale_check(_arrays.triples(refs), float(inv_scale), False)[0]
+        return _cpu_unscale(refs, float(inv_scale), False)[0]
     found = ns.full(0.0, "float32")
     _run_unscale(refs, ns.full(float(inv_scale), "float32"), ns, found, False, stream)
     del keep
@@ -77,7 +78,7 @@ def unscale_and_norm_(grads: Iterable[Any], inv_scale: float) -> tuple[bool, flo
         return False, 0.0
     ns = _ns_for(refs)
     if not ns.is_cuda:
-        found, sumsq = _C.amp_unscale_check(_arrays.triples(refs), float(inv_scale), True)
+        found, sumsq = _cpu_unscale(refs, float(inv_scale), True)
         return found, math.sqrt(sumsq)
     found = ns.full(0.0, "float32")
     sumsq = _run_unscale(refs, ns.full(float(inv_scale), "float32"), ns, found, True, None)
@@ -92,7 +93,7 @@ def scale_(grads: Iterable[Any], factor: float) -> None:
         return
     ns = _ns_for(refs)
     if not ns.is_cuda:
-        _C.amp_scale_inplace(_arrays.triples(refs), float(factor))
+        _cpu_scale(refs, float(factor))
     else:
         f = ns.full(float(factor), "float32")
         _C.amp_scale_inplace_cuda(_arrays.triples(refs), ns.ptr(f), ns.stream(), ns.index)
@@ -142,7 +143,7 @@ def non_finite_check_and_unscale_(grads: Iterable[Any], found_inf: Any, inv_scal
     if not refs:
         return
     if device == "cpu":
-        found, _ = _C.amp_unscale_check(_arrays.triples(refs), host_float(inv_ptr), False)
+        found, _ = _cpu_unscale(refs, host_float(inv_ptr), False)
         if found:
             set_host_float(found_ptr, 1.0)
     else:
@@ -197,20 +198,6 @@ class OptState(Enum):
 
 def _refresh_per_optimizer_state() -> dict:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
-
-
-def _grads_of(optimizer_or_grads: Any) -> tuple[Any, list]:
-    """(state key, gradient list) for a torch optimizer or a list of gradient arrays."""
-    if hasattr(optimizer_or_grads, "param_groups"):
-        grads = [p.grad for group in optimizer_or_grads.param_groups for p in group["params"] if p.grad is not None]
-        return id(optimizer_or_grads), grads
-    if isinstance(optimizer_or_grads, (str, bytes)) or not hasattr(optimizer_or_grads, "__iter__"):
-        raise TypeError("expected a torch optimizer or a list of gradient arrays, got "
-                        f"{type(optimizer_or_grads).__name__}")
-    grads = list(optimizer_or_grads)
-    # A list is keyed by the memory it covers, so a rebuilt list of the same arrays is "the same optimizer".
-    refs, _ = _arrays.describe_mixed(grads)
-    return ("grads",) + tuple((r.device, r.ptr, r.numel) for r in refs), grads
 
 
 class GradScaler:
@@ -316,8 +303,10 @@ class GradScaler:
                           "gradients do not underflow and need no loss scaling; GradScaler(enabled=False) avoids "
                           "the extra work (vramkit would still skip steps with inf/NaN gradients).", stacklevel=3)
 
-    def _unscale_grads(self, grads: list, inv_scale: Any, want_norm: bool) -> tuple[dict, list]:
-        """Unscale grouped by device; returns ({device: found_inf}, [(ns, sumsq) per device])."""
+    def _unscale_grads(self, grads: list, inv_scale: Any, want_norm: bool,
+                       checks: list | None = None) -> tuple[dict, list]:
+        """Unscale grouped by device; returns ({device: found_inf}, [(ns, sumsq) per device]).
+        ``checks`` are arrays only tested for inf/NaN (coalesced copies of sparse gradients)."""
         refs, keep = _arrays.describe_mixed(grads)
         by_device: dict = defaultdict(list)
         for r in refs:
@@ -330,7 +319,7 @@ class GradScaler:
             ns = self._ns if device == self._ns.device else scalars_for(device, group[0].family)
             inv = inv_scale if ns is self._ns else _move(inv_scale, self._ns, ns)
             if not ns.is_cuda:
-                found, sumsq = _C.amp_unscale_check(_arrays.triples(group), float(inv), want_norm)
+                found, sumsq = _cpu_unscale(group, float(inv), want_norm)
                 found_per_device[device] = ns.full(1.0 if found else 0.0, "float32")
                 norms.append((ns, sumsq))
             else:
@@ -338,26 +327,46 @@ class GradScaler:
                 sumsq = _run_unscale(group, inv, ns, found, want_norm, None)
                 found_per_device[device] = found
                 norms.append((ns, sumsq))
+        if checks:
+            self._check_only(checks, found_per_device)
         del keep
         return found_per_device, norms
 
-    def _begin_unscale(self, optimizer: Any) -> tuple[dict, list]:
+    def _check_only(self, arrays: list, found_per_device: dict) -> None:
+        """Set found_inf of each array's device if it holds an inf/NaN; nothing is written."""
+        refs, keep = _arrays.describe_mixed(arrays)
+        for r in refs:
+            ns = self._ns_of(r.device)
+            if not ns.is_cuda:
+                if _cpu_unscale([r], 1.0, False)[0]:
+                    found_per_device[r.device] = ns.full(1.0, "float32")
+                else:
+                    found_per_device.setdefault(r.device, ns.full(0.0, "float32"))
+            else:
+                found = found_per_device.setdefault(r.device, ns.full(0.0, "float32"))
+                _run_unscale([r], ns.full(1.0, "float32"), ns, found, False, None)
+        del keep
+
+    def _begin_unscale(self, optimizer: Any) -> tuple[dict, list, list]:
         self._check_scale_growth_tracker("unscale_")
-        key, grads = _grads_of(optimizer)
+        key, grads, sparse = _grads_of(optimizer)
         state = self._per_optimizer_states[key]
         if state["stage"] is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        return state, grads
+        checks: list = []
+        if sparse:  # only now, after the checks above: torch rebinds fp16 sparse .grad during the unscale
+            grads, checks = _sparse_grads(optimizer)
+        return state, grads, checks
 
     def unscale_(self, optimizer: Any) -> None:
         """Divide the gradients of ``optimizer`` (a torch optimizer or a list of arrays) by the scale."""
         if not self._enabled:
             return
-        state, grads = self._begin_unscale(optimizer)
+        state, grads, checks = self._begin_unscale(optimizer)
         inv = self._ns.reciprocal(self._scale)
-        state["found_inf_per_device"], _ = self._unscale_grads(grads, inv, False)
+        state["found_inf_per_device"], _ = self._unscale_grads(grads, inv, False, checks)
         state["stage"] = OptState.UNSCALED
 
     def unscale_and_clip_(self, optimizer: Any, max_norm: float) -> Any:
@@ -371,14 +380,14 @@ class GradScaler:
         if not max_norm > 0 or math.isinf(max_norm):
             raise ValueError(f"max_norm must be a positive finite number, got {max_norm}")
         if not self._enabled:
-            key, grads = _grads_of(optimizer)
+            key, grads, _ = _grads_of(optimizer)
             found, norm = unscale_and_norm_(grads, 1.0)
             if not found:
                 _clip_host(grads, norm, max_norm)
             return norm
-        state, grads = self._begin_unscale(optimizer)
+        state, grads, checks = self._begin_unscale(optimizer)
         inv = self._ns.reciprocal(self._scale)
-        found_per_device, norms = self._unscale_grads(grads, inv, True)
+        found_per_device, norms = self._unscale_grads(grads, inv, True, checks)
         state["found_inf_per_device"] = found_per_device
         state["stage"] = OptState.UNSCALED
         if not norms:
@@ -417,7 +426,7 @@ class GradScaler:
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         self._check_scale_growth_tracker("step")
-        key, _ = _grads_of(optimizer)
+        key, _, _ = _grads_of(optimizer)
         state = self._per_optimizer_states[key]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")

@@ -205,12 +205,15 @@ def min_budget(stages: Sequence[Stage], output_bytes: int | None = None, loss: S
     return _C.ckpt_min_budget(tuples, _loss_tuple(tuples, output_bytes, loss))
 
 
-_TORCH_NAMES = ("profile", "profile_loss", "checkpoint_sequential", "Sequential")
+_TORCH_NAMES = {"profile": "_ckpt_torch", "profile_loss": "_ckpt_torch", "checkpoint_sequential": "_ckpt_torch",
+                "Sequential": "_ckpt_torch", "checkpoint": "_ckpt_fn", "apply": "_ckpt_apply",
+                "CheckpointHandle": "_ckpt_apply", "find_blocks": "_ckpt_apply"}
 
 
 def __getattr__(name: str) -> Any:
-    """``profile``, ``profile_loss``, ``checkpoint_sequential`` and ``Sequential`` load torch on first use."""
+    """``profile``, ``profile_loss``, ``checkpoint_sequential``, ``Sequential``, ``checkpoint``,
+    ``apply``, ``CheckpointHandle`` and ``find_blocks`` load torch on first use."""
     if name in _TORCH_NAMES:
-        from . import _ckpt_torch
-        return getattr(_ckpt_torch, name)
+        import importlib
+        return getattr(importlib.import_module(f"{__package__}.{_TORCH_NAMES[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -197,8 +197,8 @@ def _device_index(snapshot: Snapshot, device: int | None) -> int:
             raise ValueError(f"device must be a trace index (an int >= 0) or None, got {device!r}")
         return device
     name = snapshot.get("vramkit_device")
-    if isinstance(name, str):  # 'cpu', 'sim:N' or 'cuda:N'
-        index = name.rpartition(":")[2]
+    if isinstance(name, str):  # 'cpu', 'sim:N' or 'cuda:N', maybe with '/mempool:M' (a private pool on it)
+        index = name.partition("/")[0].rpartition(":")[2]
         return int(index) if index.isdigit() else 0
     traces = snapshot.get("device_traces") or []
     return next((i for i, t in enumerate(traces) if t), 0)  # a PyTorch snapshot: first busy GPU

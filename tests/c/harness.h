@@ -60,7 +60,7 @@ static inline vram_pool_t *make_sim_pool(uint64_t capacity, const char *conf) {
     void *ctx = NULL;
     vram_pool_t *pool = NULL;
     if (vram_backend_sim_ctx(capacity, &ctx) != VRAM_OK) return NULL;
-    if (vram_pool_create(vram_backend_sim(), ctx, (vram_device_t){VRAM_DEVICE_SIM, 99}, conf, &pool) != VRAM_OK)
+    if (vram_pool_create(vram_backend_sim(), ctx, (vram_device_t){VRAM_DEVICE_SIM, 99, 0}, conf, &pool) != VRAM_OK)
         return NULL;
     return pool;
 }

@@ -49,8 +49,8 @@ static void test_status_and_format(void) {
 
 static void test_registry(void) {
     vram_pool_t *cpu = NULL, *again = NULL, *sim = NULL, *found = NULL, *none = (vram_pool_t *)1;
-    CHECK_OK(vram_device_pool((vram_device_t){VRAM_DEVICE_CPU, 0}, &cpu));
-    CHECK_OK(vram_device_pool((vram_device_t){VRAM_DEVICE_CPU, 0}, &again));
+    CHECK_OK(vram_device_pool((vram_device_t){VRAM_DEVICE_CPU, 0, 0}, &cpu));
+    CHECK_OK(vram_device_pool((vram_device_t){VRAM_DEVICE_CPU, 0, 0}, &again));
     CHECK(cpu != NULL && cpu == again); /* one pool per device */
     int before = vram_sim_count();
     vram_device_t d;
@@ -61,11 +61,11 @@ static void test_registry(void) {
     CHECK_STATUS(vram_sim_create(0, &d), VRAM_ERR_INVALID_ARG);
     CHECK_STATUS(vram_sim_create((uint64_t)1 << 62, &d), VRAM_ERR_INVALID_ARG);
     CHECK(vram_sim_count() == before + 1);
-    CHECK_STATUS(vram_device_pool((vram_device_t){VRAM_DEVICE_SIM, 9999}, &none), VRAM_ERR_UNAVAILABLE);
+    CHECK_STATUS(vram_device_pool((vram_device_t){VRAM_DEVICE_SIM, 9999, 0}, &none), VRAM_ERR_UNAVAILABLE);
     CHECK_CONTAINS(vram_last_error(), "vramkit.sim.create");
     CHECK(none == NULL);
     if (vram_cuda_device_count() == 0) {
-        CHECK_STATUS(vram_device_pool((vram_device_t){VRAM_DEVICE_CUDA, 0}, &none), VRAM_ERR_UNAVAILABLE);
+        CHECK_STATUS(vram_device_pool((vram_device_t){VRAM_DEVICE_CUDA, 0, 0}, &none), VRAM_ERR_UNAVAILABLE);
         CHECK_CONTAINS(vram_last_error(), "cuda:0 is not available");
     }
     void *p, *q;
@@ -85,7 +85,7 @@ static void test_registry(void) {
 
 static void test_cpu_memory_is_real(void) {
     vram_pool_t *cpu;
-    CHECK_OK(vram_device_pool((vram_device_t){VRAM_DEVICE_CPU, 0}, &cpu));
+    CHECK_OK(vram_device_pool((vram_device_t){VRAM_DEVICE_CPU, 0, 0}, &cpu));
     unsigned char *blocks[8];
     for (int i = 0; i < 8; i++) {
         CHECK_OK(vram_malloc(cpu, 100000 + (uint64_t)i * 7000, 0, 0, (void **)&blocks[i]));
@@ -230,7 +230,7 @@ static void test_summary_layout(void) {
     /* A CUDA device keeps PyTorch's words byte for byte (a sim backend standing in for CUDA). */
     void *ctx = NULL;
     CHECK_OK(vram_backend_sim_ctx(GiB, &ctx));
-    CHECK_OK(vram_pool_create(vram_backend_sim(), ctx, (vram_device_t){VRAM_DEVICE_CUDA, 3}, NULL, &pool));
+    CHECK_OK(vram_pool_create(vram_backend_sim(), ctx, (vram_device_t){VRAM_DEVICE_CUDA, 3, 0}, NULL, &pool));
     CHECK_OK(vram_memory_summary(pool, 0, &text));
     CHECK_CONTAINS(text, "|            CUDA OOMs: 0            |        cudaMalloc retries: 0         |\n");
     CHECK_CONTAINS(text, "| GPU reserved memory   |      0 B   |      0 B   |      0 B   |      0 B   |\n");
@@ -243,7 +243,7 @@ static void test_summary_layout(void) {
 /* The cpu pool's table: CPU where PyTorch says CUDA and GPU, mmap for cudaMalloc. */
 static void test_summary_labels_cpu(void) {
     vram_pool_t *pool;
-    CHECK_OK(vram_device_pool((vram_device_t){VRAM_DEVICE_CPU, 0}, &pool));
+    CHECK_OK(vram_device_pool((vram_device_t){VRAM_DEVICE_CPU, 0, 0}, &pool));
     char *text = NULL;
     CHECK_OK(vram_memory_summary(pool, 0, &text));
     CHECK_CONTAINS(text, "|             CPU OOMs: ");
@@ -271,7 +271,7 @@ static void test_cuda_backend_degrades_without_a_gpu(void) {
     if (n == 0) return;
     vram_pool_t *pool = NULL;
     CHECK_OK(vram_backend_cuda_ctx(0, &ctx));
-    CHECK_OK(vram_pool_create(vram_backend_cuda(), ctx, (vram_device_t){VRAM_DEVICE_CUDA, 0}, NULL, &pool));
+    CHECK_OK(vram_pool_create(vram_backend_cuda(), ctx, (vram_device_t){VRAM_DEVICE_CUDA, 0, 0}, NULL, &pool));
     void *p = NULL;
     CHECK_OK(vram_malloc(pool, 3 * MiB, 0, 0, &p));
     CHECK(p != NULL);

@@ -158,7 +158,7 @@ static void test_host_check_counts_untouched_pages(void) {
         void *ctx = NULL, *a = NULL, *b = NULL;
         vram_pool_t *pool = NULL;
         CHECK_OK(vram_backend_cpu_ctx(&ctx));
-        CHECK_OK(vram_pool_create(&backend, ctx, (vram_device_t){VRAM_DEVICE_CPU, 0}, confs[e], &pool));
+        CHECK_OK(vram_pool_create(&backend, ctx, (vram_device_t){VRAM_DEVICE_CPU, 0, 0}, confs[e], &pool));
         CHECK_OK(vram_malloc(pool, 600 * MiB, 0, 0, &a)); /* untouched, like np.empty */
         CHECK_STATUS(vram_malloc(pool, 600 * MiB, 0, 0, &b), VRAM_ERR_OOM);
         CHECK_CONTAINS(vram_last_error(), "did not map 600.00 MiB because the host cannot give it");
@@ -174,7 +174,7 @@ static void test_calloc_skips_fresh_pages(void) {
     void *ctx = NULL, *p = NULL;
     vram_pool_t *pool = NULL;
     CHECK_OK(vram_backend_cpu_ctx(&ctx));
-    CHECK_OK(vram_pool_create(vram_backend_cpu(), ctx, (vram_device_t){VRAM_DEVICE_CPU, 0},
+    CHECK_OK(vram_pool_create(vram_backend_cpu(), ctx, (vram_device_t){VRAM_DEVICE_CPU, 0, 0},
                               "expandable_segments:True,host_page_release_mb:None", &pool));
     CHECK_OK(vram_calloc(pool, 256 * MiB, 0, 0, &p));
     uint64_t resident = UINT64_MAX;

@@ -146,7 +146,7 @@ static vram_pool_t *make_host_pool(uint64_t total, const char *conf, fake_host_t
     vram_pool_t *pool = NULL;
     if (!h || vram_backend_cpu_ctx(&h->cpu_ctx) != VRAM_OK) return NULL;
     h->total = total;
-    if (vram_pool_create(&fake_backend, h, (vram_device_t){VRAM_DEVICE_CPU, 0}, conf, &pool) != VRAM_OK) return NULL;
+    if (vram_pool_create(&fake_backend, h, (vram_device_t){VRAM_DEVICE_CPU, 0, 0}, conf, &pool) != VRAM_OK) return NULL;
     *host = h;
     return pool;
 }
@@ -567,7 +567,7 @@ static void test_real_host_memory_is_sane(void) {
     CHECK(m.available <= m.mem_available + m.swap_free);
     if (m.cgroup_limit != UINT64_MAX) CHECK(m.cgroup_path[0] == '/' && m.cgroup_version >= 1);
     vram_pool_t *cpu;
-    CHECK_OK(vram_device_pool((vram_device_t){VRAM_DEVICE_CPU, 0}, &cpu));
+    CHECK_OK(vram_device_pool((vram_device_t){VRAM_DEVICE_CPU, 0, 0}, &cpu));
     CHECK(vram_pool_is_host(cpu));
 }
 

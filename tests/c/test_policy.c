@@ -239,7 +239,7 @@ static void test_configure_is_all_or_nothing(void) {
     void *ctx;
     vram_pool_t *none = NULL;
     CHECK_OK(vram_backend_sim_ctx(GiB, &ctx));
-    CHECK_STATUS(vram_pool_create(vram_backend_sim(), ctx, (vram_device_t){VRAM_DEVICE_SIM, 1}, "bogus:1", &none),
+    CHECK_STATUS(vram_pool_create(vram_backend_sim(), ctx, (vram_device_t){VRAM_DEVICE_SIM, 1, 0}, "bogus:1", &none),
                  VRAM_ERR_INVALID_ARG);
     CHECK_CONTAINS(vram_last_error(), "VRAMKIT_ALLOC_CONF: unrecognized option 'bogus'");
     CHECK(none == NULL);
@@ -307,7 +307,7 @@ static void test_failed_events_never_release_a_block_early(void) {
     void *ctx = NULL, *a = NULL, *b = NULL, *c = NULL;
     vram_pool_t *pool = NULL;
     CHECK_OK(vram_backend_sim_ctx(GiB, &ctx));
-    CHECK_OK(vram_pool_create(&flaky, ctx, (vram_device_t){VRAM_DEVICE_SIM, 98}, NULL, &pool));
+    CHECK_OK(vram_pool_create(&flaky, ctx, (vram_device_t){VRAM_DEVICE_SIM, 98, 0}, NULL, &pool));
     CHECK_OK(vram_malloc(pool, 4096, 1, 0, &a));
     CHECK_OK(vram_record_stream(pool, a, 7));
     break_streams = 1;

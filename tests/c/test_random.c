@@ -198,7 +198,7 @@ int main(int argc, char **argv) {
         void *ctx;
         vram_pool_t *cpu = NULL;
         CHECK_OK(vram_backend_cpu_ctx(&ctx));
-        CHECK_OK(vram_pool_create(vram_backend_cpu(), ctx, (vram_device_t){VRAM_DEVICE_CPU, 0}, cpu_confs[e], &cpu));
+        CHECK_OK(vram_pool_create(vram_backend_cpu(), ctx, (vram_device_t){VRAM_DEVICE_CPU, 0, 0}, cpu_confs[e], &cpu));
         CHECK_OK(vram_set_memory_limit(cpu, 512 * MiB));
         run(cpu, ops / 4, 1);
         vram_pool_destroy(cpu);

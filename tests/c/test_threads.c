@@ -52,7 +52,7 @@ static void test_four_threads_one_pool(void) {
     void *ctx;
     vram_pool_t *pool = NULL;
     CHECK_OK(vram_backend_cpu_ctx(&ctx));
-    CHECK_OK(vram_pool_create(vram_backend_cpu(), ctx, (vram_device_t){VRAM_DEVICE_CPU, 0}, NULL, &pool));
+    CHECK_OK(vram_pool_create(vram_backend_cpu(), ctx, (vram_device_t){VRAM_DEVICE_CPU, 0, 0}, NULL, &pool));
     pthread_t threads[THREADS];
     worker_t workers[THREADS];
     for (int t = 0; t < THREADS; t++) {

@@ -17,13 +17,7 @@ from vramkit import checkpoint as ck  # noqa: E402
 from vramkit.torch import track  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny matmuls on a busy 2-core machine are ~20x slower with 2 intra-op threads
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 class Res(nn.Module):
@@ -51,7 +45,8 @@ def grads(model, x, seed, **kw):
     m = copy.deepcopy(model)
     xx = x.detach().clone().requires_grad_(True)
     torch.manual_seed(seed)
-    out = ck.checkpoint_sequential(m, xx, **kw) if kw else m(xx)
+    segments = kw.pop("segments", None)
+    out = ck.checkpoint_sequential(m, segments, xx, **kw) if kw or segments else m(xx)
     (out.pow(2).sum() + out.sum()).backward()
     return out.detach(), [p.grad for p in m.parameters()], xx.grad
 
@@ -99,7 +94,7 @@ def test_gradients_match_with_dropout_rng_preserved():
     # and the RNG stream after the call continues as without checkpointing
     m = copy.deepcopy(model)
     torch.manual_seed(3)
-    ck.checkpoint_sequential(m, x, budget=0.5).sum().backward()
+    ck.checkpoint_sequential(m, None, x, budget=0.5).sum().backward()
     after = torch.rand(4)
     torch.manual_seed(3)
     model(x).sum().backward()
@@ -249,30 +244,37 @@ def test_error_cases():
     model = chain(1, 6)
     x = torch.randn(8, 16, dtype=torch.float64)
     with pytest.raises(ValueError, match="not both"):
-        ck.checkpoint_sequential(model, x, budget=0.5, segments=2)
+        ck.checkpoint_sequential(model, 2, x, budget=0.5)
     with pytest.raises(ValueError, match="budget="):
-        ck.checkpoint_sequential(model, x)
+        ck.checkpoint_sequential(model, None, x)
     with pytest.raises(TypeError, match="nn.Sequential"):
-        ck.checkpoint_sequential(nn.Linear(16, 16), x, budget=0.5)
+        ck.checkpoint_sequential(nn.Linear(16, 16), None, x, budget=0.5)
     with pytest.raises(TypeError, match="not callable"):
-        ck.checkpoint_sequential([nn.Tanh(), 3], x, budget=0.5)
+        ck.checkpoint_sequential([nn.Tanh(), 3], None, x, budget=0.5)
     bad = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.LSTM(16, 16)).double()
     with pytest.raises(TypeError, match="stage 2 \\(LSTM\\).*tuple"):
-        ck.checkpoint_sequential(bad, x.unsqueeze(0), budget=0.5)
+        ck.checkpoint_sequential(bad, None, x.unsqueeze(0), budget=0.5)
     frozen = copy.deepcopy(model).requires_grad_(False)
     with pytest.raises(ValueError, match="requires grad"):
-        ck.checkpoint_sequential(frozen, x, budget=0.5)
+        ck.checkpoint_sequential(frozen, None, x, budget=0.5)
     with pytest.raises(ck.BudgetTooSmallError, match="least budget that works is [0-9,]+ bytes") as ei:
-        ck.checkpoint_sequential(model, x, budget=100)
+        ck.checkpoint_sequential(model, None, x, budget=100)
     assert ei.value.min_budget > 100
     with pytest.raises(ValueError, match=r"\(0, 1\]"):
-        ck.checkpoint_sequential(model, x, budget=1.5)
+        ck.checkpoint_sequential(model, None, x, budget=1.5)
+    # the old vramkit order (input second) is caught and the right call shown
+    with pytest.raises(TypeError, match=r"order changed.*checkpoint_sequential\(model, None, x, budget=0.5\)"):
+        ck.checkpoint_sequential(model, x, budget=0.5)
+    with pytest.raises(TypeError, match="input .* is missing"):
+        ck.checkpoint_sequential(model, 2)
+    with pytest.raises(ValueError, match="segments must be an int in 1..6"):
+        ck.checkpoint_sequential(model, 7, x)
     with pytest.raises(ck.BudgetTooSmallError):
         ck.Sequential(list(model), budget=0.01)(x)
     with pytest.raises(TypeError, match="loss_fn must be a callable"):
         ck.Sequential(list(model), budget=0.5, loss_fn=3)
     with pytest.raises(ValueError, match="loss_fn= only applies with budget="):
-        ck.checkpoint_sequential(model, x, segments=2, loss_fn=lambda o: o.sum())
+        ck.checkpoint_sequential(model, 2, x, loss_fn=lambda o: o.sum())
 
 
 def test_profile_and_track():

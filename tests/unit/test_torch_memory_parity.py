@@ -23,8 +23,6 @@ MiB = 1 << 20
 ABSENT = {
     "CUDAPluggableAllocator": "vramkit is the allocator: vramkit.torch.use_as_cuda_allocator() plugs it into torch",
     "change_current_allocator": "vramkit is the allocator: vramkit.torch.use_as_cuda_allocator() plugs it into torch",
-    "MemPool": "not built yet (issue 13): a scoped private pool needs pools that share a device's capacity",
-    "use_mem_pool": "not built yet (issue 13), with MemPool",
 }
 # Names vramkit has under torch's name on purpose with another signature, and why.
 DIFFERENT = {
@@ -87,11 +85,11 @@ def test_parity_table():
     for name, (signature, _) in DIFFERENT.items():
         assert list(inspect.signature(getattr(vramkit, name)).parameters) == signature, f"{name}'s difference changed"
     # The names issue 13 asked for by name, each present and compatible:
-    asked = {"memory_stats_as_nested_dict", "reset_max_memory_allocated", "memory_cached", "max_memory_cached",
+    asked = {"MemPool", "use_mem_pool", "memory_stats_as_nested_dict", "reset_max_memory_allocated", "memory_cached", "max_memory_cached",
              "caching_allocator_alloc", "caching_allocator_delete", "get_per_process_memory_fraction",
              "list_gpu_processes", "host_memory_stats"}
     assert asked <= {r[0] for r in rows if r[1] == "present, signature compatible"}
-    assert len(present) >= 24, f"{len(present)} of {len(rows)} names"
+    assert len(present) >= 30, f"{len(present)} of {len(rows)} names"
 
 
 def test_compatible_rejects_what_would_break_a_call():
