@@ -442,8 +442,11 @@ def test_apply_gradients_identical_and_peak_within_plan(name):
         assert peak <= h.budget and h.predicted_peak <= h.budget
         # the prediction is the C simulator's plus the measured rest of the model; a recomputation
         # inside a block's backward overlaps a little more than the model's FA(i) then B(i) (the
-        # ResNet at 0.6 measures 0.6 % above; elsewhere 1-4 % below), hence a band, not a bound
-        assert 0.95 * h.predicted_peak <= peak <= 1.02 * h.predicted_peak
+        # ResNet at 0.6 measures 0.6 % above), and the rest-of-model constant is conservative
+        # (1-4 % below, 7 % for the ResNet's layer1.0 + layer2.0). Which blocks are chosen depends
+        # on their measured times (under ASan the ResNet at 0.9 takes another pair), so the band
+        # must hold for every choice: a band, not a bound
+        assert 0.85 * h.predicted_peak <= peak <= 1.02 * h.predicted_peak
         _same(ref_grads, grads)  # identical, dropout included
         _same(ref_bufs, bufs)  # BatchNorm statistics updated once per step, as without checkpointing
         h.remove()
