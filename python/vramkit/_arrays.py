@@ -130,7 +130,7 @@ def _buffer_ref(b: Any, i: int) -> Ref:
     if code is None:
         raise TypeError(f"tensor {i}: a vramkit.Buffer of typestr {b.typestr!r} cannot be unscaled "
                         f"(allowed: {_ALLOWED}; make it with vramkit.empty(shape, dtype))")
-    device = b.device
+    device = b.device.partition("/")[0]  # a private pool's Buffer ("cpu/mempool:1") lives on its device
     if not (device == "cpu" or device.startswith("cuda")):
         raise ValueError(f"tensor {i}: a Buffer on {device} has no memory behind it (allowed: cpu, cuda)")
     return Ref(b.ptr, _prod(b.shape), code, device, "vramkit", None)

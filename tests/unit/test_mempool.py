@@ -240,3 +240,18 @@ def test_ctypes_free_of_a_pool_pointer_through_raw_free(dev):
     with pytest.raises(ValueError, match="not a live allocation"):
         vramkit.raw_free(p)
     check(pool)
+
+
+def test_a_private_pools_buffer_is_usable_as_its_devices():
+    """A Buffer from a cpu private pool is host memory like any cpu Buffer: NumPy views it and
+    the loss-scaling kernels unscale it (its device names the pool, the kernels see cpu)."""
+    pool = vramkit.MemPool(device="cpu")
+    with vramkit.use_mem_pool(pool):
+        b = vramkit.empty((4,), "float32", "cpu")
+    assert b.device == pool.device
+    np.asarray(b)[:] = 4.0
+    assert vramkit.amp.unscale_([b], 0.5) is False
+    assert np.asarray(b).tolist() == [2.0, 2.0, 2.0, 2.0]
+    del b
+    assert pool.memory_allocated() == 0
+    check(pool)
