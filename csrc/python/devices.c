@@ -91,13 +91,13 @@ int vk_pool_from_arg(PyObject *device, vram_pool_t **pool) {
 int vk_device_from_arg(PyObject *device, vram_device_t *out) { return device_from_arg(device, out); }
 
 int vk_alloc_pool_from_arg(PyObject *device, vram_pool_t **pool) {
-    vram_device_t d;
-    if (device_from_arg(device == NULL ? Py_None : device, &d) != 0) return -1;
-    vram_status_t status = vram_alloc_pool(d, pool);
-    if (status == VRAM_OK) return 0;
-    if (status == VRAM_ERR_UNAVAILABLE && d.kind == VRAM_DEVICE_SIM) status = VRAM_ERR_INVALID_ARG;
-    vk_raise(status);
-    return -1;
+    if (vk_pool_from_arg(device, pool) != 0) return -1; /* the default device's pool stays a cached pointer */
+    vram_device_t d = vram_pool_device(*pool);
+    if (d.mempool == 0) { /* a named private pool is used as named */
+        vram_pool_t *in_use = vram_mempool_in_use(d);
+        if (in_use) *pool = in_use;
+    }
+    return 0;
 }
 
 int vk_size_from_arg(PyObject *obj, const char *what, uint64_t *out) {
