@@ -34,23 +34,24 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TorchReport", "TorchWatch"]
+__all__ = ["DeviceReport", "TorchWatch"]
 
 MAX_STACK = 48  # Python frames kept per event: enough to get out of torch.nn into the user's code
 
 
 @dataclass
-class TorchReport:
-    """One device's memory as torch saw it, ready for vramkit run's report."""
+class DeviceReport:
+    """What vramkit run prints and writes for one device, whoever measured it (vramkit's pool,
+    torch's caching allocator, or the live-tensor meter)."""
 
-    device: str  # "cuda:0" or "cpu"
-    source: str  # how it was measured, printed in the heading
-    summary: str  # printed before the peaks line (torch's 75-column table on CUDA)
+    device: str  # "cpu", "cuda:0"
+    heading: str  # what measured it, printed in the heading
+    summary: str  # printed before the peaks line (a 75-column table where there is one)
     peak_allocated: int
     peak_reserved: int
     allocations: int  # allocations made while the script ran
     snapshot: dict[str, Any]  # torch.cuda.memory._snapshot()'s format
-    trace_index: int  # which of snapshot["device_traces"] is this device's
+    trace_index: int | None  # which of snapshot["device_traces"]; None: the snapshot's own device
     suffix: str  # file-name suffix of this device's snapshot and timeline
 
 
@@ -165,7 +166,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 
 class TorchWatch:
-    """Arms torch's memory recording for the script; collects TorchReports afterwards."""
+    """Arms torch's memory recording for the script; collects DeviceReports afterwards."""
 
     def __init__(self, max_entries: int, cuda: bool = True) -> None:
         self.max_entries = max_entries
@@ -238,11 +239,11 @@ class TorchWatch:
                 pass
             self._finder = None
 
-    def stop(self) -> list[TorchReport]:
+    def stop(self) -> list[DeviceReport]:
         """Stop recording (leaving torch as it was found) and return the reports."""
         self._stopped = True
         self._remove_finder()
-        reports: list[TorchReport] = []
+        reports: list[DeviceReport] = []
         if self._mode is not None:
             try:
                 self._mode.__exit__(None, None, None)
@@ -254,7 +255,7 @@ class TorchWatch:
             reports += self._cuda_reports()
         return reports
 
-    def _cpu_reports(self) -> list[TorchReport]:
+    def _cpu_reports(self) -> list[DeviceReport]:
         from .sites import format_bytes
 
         r = self._recorder
@@ -262,13 +263,13 @@ class TorchWatch:
             return []
         summary = (f"PyTorch CPU tensors (live-tensor meter: storages created by torch operations on the "
                    f"main thread)\n  live now: {format_bytes(r.current)} in {r.num_storages:,} storages")
-        return [TorchReport("cpu", "PyTorch tensors, live-tensor meter", summary, r.peak, r.peak, r.allocations,
+        return [DeviceReport("cpu", "PyTorch tensors, live-tensor meter", summary, r.peak, r.peak, r.allocations,
                             r.snapshot(), 0, "torch-cpu")]
 
-    def _cuda_reports(self) -> list[TorchReport]:
+    def _cuda_reports(self) -> list[DeviceReport]:
         torch = self._torch
         cuda = torch.cuda
-        reports: list[TorchReport] = []
+        reports: list[DeviceReport] = []
         try:
             snapshot = cuda.memory._snapshot()
             for d in range(cuda.device_count()):
@@ -277,7 +278,7 @@ class TorchWatch:
                 traces = snapshot.get("device_traces") or []
                 if not allocations and not (d < len(traces) and traces[d]):
                     continue  # a GPU the script did not use
-                reports.append(TorchReport(
+                reports.append(DeviceReport(
                     f"cuda:{d}", "PyTorch's caching allocator", cuda.memory_summary(d),
                     cuda.max_memory_allocated(d), cuda.max_memory_reserved(d), allocations, snapshot, d, f"cuda{d}"))
         finally:

@@ -28,8 +28,10 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._run_torch import DeviceReport
 
 __all__ = ["main"]
 
@@ -163,30 +165,17 @@ def _with_suffix(path: str, suffix: str) -> str:
     return f"{stem}-{suffix.replace(':', '')}{ext}"
 
 
-@dataclass
-class _Report:
-    """What vramkit run prints and writes for one device, whoever measured it."""
-
-    device: str  # 'cpu', 'cuda:0'
-    heading: str  # what measured it
-    summary: str
-    peak_allocated: int
-    peak_reserved: int
-    allocations: int
-    snapshot: dict[str, Any]
-    trace_index: int | None  # into snapshot["device_traces"]; None: the snapshot's own device
-    suffix: str
-
-
-def _vramkit_report(device: str, snapshot: dict[str, Any], allocations: int) -> _Report:
+def _vramkit_report(device: str, snapshot: dict[str, Any], allocations: int) -> DeviceReport:
     import vramkit
 
+    from ._run_torch import DeviceReport
+
     heading = "NumPy arrays, vramkit's cpu pool" if device == "cpu" else "vramkit's pool"
-    return _Report(device, heading, vramkit.memory_summary(device), vramkit.max_memory_allocated(device),
+    return DeviceReport(device, heading, vramkit.memory_summary(device), vramkit.max_memory_allocated(device),
                    vramkit.max_memory_reserved(device), allocations, snapshot, None, device)
 
 
-def _print_report(r: _Report, wall_s: float, top: int) -> None:
+def _print_report(r: DeviceReport, wall_s: float, top: int) -> None:
     from .sites import allocation_sites, device_trace, format_bytes
 
     print(f"=== {r.device}: {r.heading} ===")
@@ -197,21 +186,19 @@ def _print_report(r: _Report, wall_s: float, top: int) -> None:
         return
     sites = allocation_sites(r.snapshot, r.trace_index)
     recorded = sum(1 for e in device_trace(r.snapshot, r.trace_index) if e.get("action") == "alloc")
-    allocations = r.allocations
     print()
     if not sites:
         print(f"No allocations were recorded on {r.device}.")
         return
-    device = r.device
-    print(f"Top {min(top, len(sites))} allocation sites on {device} (of {len(sites)}), by bytes live at the peak:")
+    print(f"Top {min(top, len(sites))} allocation sites on {r.device} (of {len(sites)}), by bytes live at the peak:")
     print(f"  {'#':>2}  {'live at peak':>12}  {'total':>10}  {'count':>6}  site")
     for rank, site in enumerate(sites[:top], 1):
         print(f"  {rank:>2}  {format_bytes(site.live_at_peak):>12}  {format_bytes(site.total_bytes):>10}  "
               f"{site.count:>6}  {site.label}")
         for frame in site.frames[1:3]:  # the callers, so that sites with the same label can be told apart
             print(f"  {'':>2}  {'':>12}  {'':>10}  {'':>6}    from {frame.short()}")
-    if recorded < allocations:
-        print(f"Note: the history kept the newest events only ({recorded:,} of {allocations:,} allocations); "
+    if recorded < r.allocations:
+        print(f"Note: the history kept the newest events only ({recorded:,} of {r.allocations:,} allocations); "
               f"raise --max-entries to see them all.")
 
 
@@ -263,7 +250,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         if not was_installed:
             vnp.uninstall()
 
-    reports: list[_Report] = []
+    reports: list[DeviceReport] = []
     for device in devices:
         snapshot = vramkit.memory_snapshot(device)
         allocations = vramkit.memory_stats(device)["allocation.all.allocated"] - allocations_before[device]
@@ -272,8 +259,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         reports.append(_vramkit_report(device, snapshot, allocations))
     for device in set(devices) - already_recording:
         vramkit.record_memory_history(False, device=device)  # leave the process as it was found
-    reports += [_Report(t.device, t.source, t.summary, t.peak_allocated, t.peak_reserved, t.allocations, t.snapshot,
-                        t.trace_index, t.suffix) for t in torch_reports]
+    reports += torch_reports
 
     written: list[tuple[str, str, str]] = []
     for r in reports:
