@@ -8,14 +8,17 @@ its builder (`vramkit_step(batch_size)` by default: build the model, optimizer a
 return the step function), captures it on the meta device and replays it on a simulated GPU.
 `replay` replays a `.vktrace` file or a PyTorch memory snapshot pickle.
 
-Exit status: 0 it fits, 3 it does not, 2 bad usage or input, 1 the script failed. With
-cli.py, the only modules of vramkit that print.
+Exit status: 0 it fits, 3 it does not, 2 bad usage or input (a file that cannot be read or
+written, a malformed trace), 1 the script failed, 130 interrupted (Ctrl-C). Errors are one
+line, "vramkit fit: error: ...", with no traceback, except the script's own failures, which
+are shown as python would show them. With cli.py, the only modules of vramkit that print.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import runpy
 import sys
@@ -23,6 +26,7 @@ import time
 from typing import Any, Callable
 
 from .cli import _non_negative_int, _positive_int
+from ._trace_format import describe_value
 
 __all__ = ["add_commands", "cmd_fit", "cmd_replay"]
 
@@ -39,13 +43,16 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+_MAX_MIB = 1 << 30  # 1 PiB: more than any GPU has, far below where sizes stop being exact
+
+
 def _mib(text: str) -> int:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of MiB >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number of MiB >= 0, got {value}")
+    if not math.isfinite(value) or not 0 <= value <= _MAX_MIB:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB from 0 to {_MAX_MIB:,} (1 PiB), got {text!r}")
     return int(value * (1 << 20))
 
 
@@ -88,10 +95,10 @@ def add_commands(commands: Any) -> None:
         "replay", help="replay a .vktrace file or a PyTorch memory snapshot pickle on a simulated GPU",
         description="Replay an allocation trace (.vktrace, or a pickle from torch.cuda.memory._dump_snapshot) "
                     "on a simulated GPU of --device-memory with PyTorch's allocator policy.")
-    replay.add_argument("trace", metavar="TRACE", help="a .vktrace file or a snapshot pickle (only open your own: "
-                                                       "unpickling runs code)")
+    replay.add_argument("trace", metavar="TRACE", help="a .vktrace file or a snapshot pickle (read as plain data: "
+                                                       "nothing in the file runs)")
     _common(replay)
-    replay.add_argument("--device", type=int, default=None, metavar="N",
+    replay.add_argument("--device", type=_non_negative_int, default=None, metavar="N",
                         help="which device's trace in a snapshot with several (default: the only one)")
 
 
@@ -116,9 +123,18 @@ def _load_builder(script: str, entry: str) -> Callable[..., Any]:
     __main__ block), or module:function. Raises LookupError with what to do."""
     if ":" in entry:
         module_name, _, func = entry.partition(":")
+        if not module_name or not func:
+            raise LookupError(f"--entry {entry!r}: expected a function name, or module:function")
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
         try:
             module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            # The module --entry names (or its package) is missing: bad input. A module that
+            # exists but imports something missing is the script's failure, shown as such.
+            if exc.name is None or not (module_name == exc.name or module_name.startswith(exc.name + ".")):
+                raise
+            raise LookupError(f"--entry {entry!r}: no module named {exc.name!r} (looked in "
+                              f"{os.path.dirname(os.path.abspath(script))} and on sys.path)") from None
         finally:
             sys.path.pop(0)
         names = vars(module)
@@ -139,21 +155,50 @@ def _load_builder(script: str, entry: str) -> Callable[..., Any]:
     return builder
 
 
-def _write_html(path: str, trace: Any, prediction: Any, title: str) -> str | None:
+def _output_problem(path: str, option: str) -> str | None:
+    """Why `path` cannot be written (checked before the work, so that a long fit does not end
+    in an error), or None."""
+    full = os.path.abspath(path)
+    directory = os.path.dirname(full)
+    if os.path.isdir(full):
+        return f"{option} {path!r} is a directory; give a file name"
+    if not os.path.isdir(directory):
+        return f"{option} {path!r}: the directory {directory} does not exist"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"{option} {path!r}: the directory {directory} is not writable"
+    return None
+
+
+def _write_html(command: str, path: str, trace: Any, prediction: Any, title: str) -> str | None:
     from ._trace_report import prediction_snapshot
     from .timeline import write_html
 
     try:
         return write_html(os.path.abspath(path), prediction_snapshot(trace, prediction), title=title)
     except OSError as exc:
-        _error("fit", f"cannot write the timeline: {exc}")
+        _error(command, f"cannot write the timeline {path!r}: {exc.strerror or exc}")
         return None
+
+
+def _script_problem(script: str, shown: str, entry: str) -> str | None:
+    if os.path.isdir(script):
+        return f"{shown!r} is a directory; SCRIPT is a Python file that defines {entry}(batch_size)"
+    if not os.path.isfile(script):
+        return f"script {shown!r} not found (SCRIPT is a Python file that defines {entry}(batch_size))"
+    return None
+
+
+def _exit_code_text(code: Any) -> str:
+    return f"sys.exit({describe_value(code) if not isinstance(code, str) else repr(code[:80])})"
 
 
 def cmd_fit(ns: argparse.Namespace) -> int:
     script = os.path.abspath(ns.script)
-    if not os.path.isfile(script):
-        _error("fit", f"script {ns.script!r} not found (SCRIPT is a Python file that defines {ns.entry}(batch_size))")
+    problem = _script_problem(script, ns.script, ns.entry) or _output_problem(ns.html, "--html")
+    if problem is None and ns.trace:
+        problem = _output_problem(ns.trace, "--trace")
+    if problem:
+        _error("fit", problem)
         return BAD_INPUT
     try:
         import torch  # noqa: F401
@@ -167,6 +212,12 @@ def cmd_fit(ns: argparse.Namespace) -> int:
     except LookupError as exc:
         _error("fit", str(exc))
         return BAD_INPUT
+    except SystemExit as exc:
+        _error("fit", f"loading {ns.script} called {_exit_code_text(exc.code)}: SCRIPT is loaded without running "
+                      "its __main__ block; keep the training loop under `if __name__ == \"__main__\":`")
+        return FAILED
+    except KeyboardInterrupt:
+        raise
     except BaseException as exc:  # noqa: BLE001 -- the script's own failure, reported as python would
         import traceback
 
@@ -198,16 +249,21 @@ def cmd_fit(ns: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         _error("fit", str(exc))
         return BAD_INPUT
+    except SystemExit as exc:
+        _error("fit", f"the builder {ns.entry}() called {_exit_code_text(exc.code)}; it must build the model, "
+                      "optimizer and a batch and return the step function")
+        return FAILED
     print(report.table(top=ns.top))
     chosen = ns.batch_size or report.max_batch_size or 1  # nothing fits: show batch 1, where it fails
     if chosen:
         trace = vt.capture(builder, chosen, device="meta", steps=ns.steps, meta={"batch_size": chosen})
         pred = vt.replay(trace, ns.device_memory, ns.alloc_conf, overheads=_overheads(ns, False), curves=True)
-        page = _write_html(ns.html, trace, pred, f"vramkit fit: {os.path.basename(script)}, batch size {chosen}, "
-                                                  f"{vt.format_size(ns.device_memory)}")
+        page = _write_html("fit", ns.html, trace, pred, f"vramkit fit: {os.path.basename(script)}, batch size "
+                                                         f"{chosen}, {vt.format_size(ns.device_memory)}")
+        if page is None:
+            return BAD_INPUT
         print()
-        if page:
-            print(f"Timeline (batch size {chosen}): {page}")
+        print(f"Timeline (batch size {chosen}): {page}")
         if ns.trace:
             try:
                 print(f"Trace (batch size {chosen}): {trace.save(ns.trace)}")
@@ -221,13 +277,29 @@ def cmd_fit(ns: argparse.Namespace) -> int:
 def cmd_replay(ns: argparse.Namespace) -> int:
     from . import trace as vt
 
+    problem = _output_problem(ns.html, "--html")
+    if problem:
+        _error("replay", problem)
+        return BAD_INPUT
     try:
         if ns.device is not None:
+            with open(ns.trace, "rb") as f:
+                is_vktrace = f.read(8) == b"VKTRACE\0"
+            if is_vktrace:
+                _error("replay", f"--device picks one device of a snapshot pickle; {ns.trace!r} is a .vktrace file, "
+                                 "which holds one device's trace: leave --device out")
+                return BAD_INPUT
             trace = vt.from_torch_snapshot(ns.trace, ns.device)
         else:
             trace = vt.load(ns.trace)
     except FileNotFoundError:
         _error("replay", f"{ns.trace!r} not found")
+        return BAD_INPUT
+    except IsADirectoryError:
+        _error("replay", f"{ns.trace!r} is a directory; TRACE is a .vktrace file or a snapshot pickle")
+        return BAD_INPUT
+    except OSError as exc:
+        _error("replay", f"cannot read {ns.trace!r}: {exc.strerror or exc}")
         return BAD_INPUT
     except (vt.TraceFormatError, ValueError) as exc:
         _error("replay", str(exc))
@@ -248,8 +320,9 @@ def cmd_replay(ns: argparse.Namespace) -> int:
         where = trace.meta.get("recorded_on") or "the GPU"
         print(f"recorded on {where}: peak allocated {vt.format_size(trace.meta.get('recorded_peak_allocated', 0))}, "
               f"peak reserved {vt.format_size(trace.meta['recorded_peak_reserved'])}")
-    page = _write_html(ns.html, trace, pred, f"vramkit replay: {os.path.basename(ns.trace)} on "
-                                              f"{vt.format_size(ns.device_memory)}")
-    if page:
-        print(f"\nTimeline: {page}")
+    page = _write_html("replay", ns.html, trace, pred, f"vramkit replay: {os.path.basename(ns.trace)} on "
+                                                        f"{vt.format_size(ns.device_memory)}")
+    if page is None:
+        return BAD_INPUT
+    print(f"\nTimeline: {page}")
     return FITS if pred.fits else DOES_NOT_FIT

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NoReturn, Sequence
 
 import numpy as np
+
+from ._files import write_atomically
 
 __all__ = [
     "ALLOC", "CATEGORIES", "FREE", "FORMAT_VERSION", "PHASE", "PHASES", "STEP", "Trace", "TraceFormatError",
@@ -53,11 +54,129 @@ _EVENT_COLUMNS = {"kind": np.uint8, "id": np.int64, "size": np.uint64, "stream":
 _ALLOC_COLUMNS = {"alloc_dtype": np.int16, "alloc_category": np.uint8, "alloc_module": np.int32,
                   "alloc_op": np.int32}
 _STRING_TABLES = ("dtypes", "modules", "ops")
+# The exact little-endian dtype of each column on disk (what save writes, all a reader accepts).
+_COLUMN_DTYPES = {name: np.dtype(t).newbyteorder("<") for name, t in {**_EVENT_COLUMNS, **_ALLOC_COLUMNS}.items()}
+_PREFIX = 16  # magic, version, header length
+# Step markers carry the step number; phases their index in PHASES. A step number beyond this
+# is not a count of training steps but a corrupt file (and would size arrays by it).
+MAX_STEP = (1 << 31) - 1
+# meta is free-form JSON, but the keys vramkit itself reads back must have the right type.
+_META_TYPES: dict[str, tuple[type, ...]] = {
+    "source": (str,), "recorded_on": (str,), "form": (str,), "first_return": (str,), "trace_sizes": (str,),
+    "checkpointed_blocks": (str,), "recorded_peak_allocated_note": (str,), "device": (int, str),
+    **{k: (int,) for k in ("batch_size", "checkpointed_count", "recorded_reserved", "recorded_allocated",
+                           "recorded_memory_allocated", "recorded_requested", "recorded_peak_reserved",
+                           "recorded_peak_allocated", "allocated_size_estimates", "num_trace_entries",
+                           "initial_allocations", "unfinished_frees", "untraced_end_blocks")},
+}
 
 
 class TraceFormatError(ValueError):
     """A trace (file or columns) that vramkit cannot read: wrong magic, another format version,
     truncated, corrupted, or columns that contradict each other."""
+
+
+def describe_value(value: Any) -> str:
+    """A short description of a value read from a file, for error messages: never the whole
+    value (a string or list from a file can be huge, and str() of a large int can fail)."""
+    if value is None or isinstance(value, bool):
+        return repr(value)
+    if isinstance(value, int):
+        return f"{value}" if abs(value) < 10 ** 30 else f"an integer of {value.bit_length()} bits"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 40 else f"a string of {len(value):,} characters"
+    if isinstance(value, (list, tuple, dict)):
+        return f"a {type(value).__name__} of {len(value):,} entries"
+    return f"a {type(value).__name__}"
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _parse_header(raw: bytes, what: str) -> dict[str, Any]:
+    """The JSON header, checked field by field against the format (module docstring):
+    ``TraceFormatError`` names the field and the header's place in the file."""
+    at = f"{what}: header (file offset {_PREFIX}, {len(raw):,} bytes)"
+    try:
+        header = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError as exc:
+        raise TraceFormatError(f"{at}: not UTF-8 at file offset {_PREFIX + exc.start:,}") from None
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"{at}: not JSON: {exc.msg} at file offset {_PREFIX + exc.pos:,}") from None
+    except (ValueError, RecursionError) as exc:  # NaN/Infinity, an integer of thousands of digits, deep nesting
+        raise TraceFormatError(f"{at}: unreadable JSON ({type(exc).__name__}: {str(exc)[:120]})") from None
+
+    def bad(field_: str, value: Any, wanted: str) -> NoReturn:
+        raise TraceFormatError(f"{at}: {field_} is {describe_value(value)}; expected {wanted}")
+
+    def integer(field_: str, value: Any, limit: int) -> int:
+        if type(value) is not int or not 0 <= value < limit:
+            bad(field_, value, f"an integer from 0 to {limit - 1:,}")
+        return value
+
+    if not isinstance(header, dict):
+        bad("the header", header, "a JSON object")
+    for key in ("payload_bytes", "payload_crc32", "columns", "strings"):
+        if key not in header:
+            raise TraceFormatError(f"{at}: missing field {key!r}")
+    payload_bytes = integer("'payload_bytes'", header["payload_bytes"], 1 << 62)
+    crc = integer("'payload_crc32'", header["payload_crc32"], 1 << 32)
+    meta = header.get("meta")
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict):
+        bad("'meta'", meta, "a JSON object")
+    for key, types in _META_TYPES.items():
+        value = meta.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+            bad(f"meta[{key!r}]", value, " or ".join(t.__name__ for t in types))
+    strings = header["strings"]
+    if not isinstance(strings, dict):
+        bad("'strings'", strings, "a JSON object with lists 'dtypes', 'modules' and 'ops'")
+    tables: dict[str, list[str]] = {}
+    for key in _STRING_TABLES:
+        table = strings.get(key, [])
+        if not isinstance(table, list):
+            bad(f"strings[{key!r}]", table, "a list of strings")
+        for i, item in enumerate(table):
+            if not isinstance(item, str):
+                bad(f"strings[{key!r}][{i}]", item, "a string")
+        tables[key] = table
+    columns = header["columns"]
+    if not isinstance(columns, list):
+        bad("'columns'", columns, "a list of column objects")
+    seen: set[str] = set()
+    for i, spec in enumerate(columns):
+        where = f"columns[{i}]"
+        if not isinstance(spec, dict):
+            bad(where, spec, 'an object {"name", "dtype", "length", "offset"}')
+        name = spec.get("name")
+        if not isinstance(name, str):
+            bad(f"{where}.name", name, "a string")
+        where = f"column {describe_value(name)} ({where})"
+        if name in seen:
+            raise TraceFormatError(f"{at}: {where} appears twice")
+        seen.add(name)
+        dtype = spec.get("dtype")
+        wanted = _COLUMN_DTYPES.get(name)
+        if wanted is not None and dtype != wanted.str:
+            bad(f"{where} dtype", dtype, repr(wanted.str))
+        if wanted is None and not isinstance(dtype, str):
+            bad(f"{where} dtype", dtype, "a NumPy dtype string")
+        offset = integer(f"{where} offset", spec.get("offset"), payload_bytes + 1)
+        if offset % 8:
+            raise TraceFormatError(f"{at}: {where} offset {offset} is not a multiple of 8 (columns are 8-byte aligned)")
+        itemsize = wanted.itemsize if wanted is not None else 1
+        length = integer(f"{where} length", spec.get("length"), (payload_bytes - offset) // itemsize + 1)
+        del length  # bounded by the payload above: offset + length * itemsize <= payload_bytes
+    missing = [name for name in _COLUMN_DTYPES if name not in seen]
+    if missing:
+        raise TraceFormatError(f"{at}: missing columns {missing}")
+    return {"payload_bytes": payload_bytes, "payload_crc32": crc, "meta": meta, "strings": tables,
+            "columns": columns}
 
 
 @dataclass
@@ -106,6 +225,9 @@ class Trace:
         stream = np.zeros(n, np.uint64) if stream is None else np.ascontiguousarray(stream, dtype=np.uint64)
         is_alloc = kind == ALLOC
         num = int(ids[is_alloc].max()) + 1 if is_alloc.any() else 0
+        if num > int(is_alloc.sum()):  # checked before the tables below are sized by it
+            raise TraceFormatError(f"allocation ids must be dense from 0: the largest is {num - 1}, but there are only "
+                                   f"{int(is_alloc.sum())} ALLOC events")
 
         def table(values: Any, dtype: Any, fill: int) -> np.ndarray:
             if values is None:
@@ -147,6 +269,10 @@ class Trace:
             i = int(bad_phase[0])
             raise TraceFormatError(f"event {i}: phase marker {int(self.id[i])} is not an index of PHASES "
                                    f"(0..{len(PHASES) - 1}: {', '.join(PHASES)})")
+        bad_step = np.flatnonzero((self.kind == STEP) & ((self.id < 0) | (self.id > MAX_STEP)))
+        if bad_step.size:
+            i = int(bad_step[0])
+            raise TraceFormatError(f"event {i}: step marker {int(self.id[i])} is not a step number (0..{MAX_STEP})")
         mem = self.kind <= FREE
         neg = np.flatnonzero(mem & (self.id < 0))
         if neg.size:
@@ -243,35 +369,20 @@ class Trace:
         path = os.fspath(path)
         columns, chunks, offset = [], [], 0
         for name in (*_EVENT_COLUMNS, *_ALLOC_COLUMNS):
-            col = np.ascontiguousarray(getattr(self, name))
-            raw = col.astype(col.dtype.newbyteorder("<"), copy=False).tobytes()
+            dtype = _COLUMN_DTYPES[name]
+            raw = np.ascontiguousarray(getattr(self, name)).astype(dtype, copy=False).tobytes()
             pad = (-offset) % 8
             chunks.append(b"\0" * pad)
             offset += pad
-            columns.append({"name": name, "dtype": col.dtype.newbyteorder("<").str, "length": len(col),
-                            "offset": offset})
+            columns.append({"name": name, "dtype": dtype.str, "length": len(raw) // dtype.itemsize, "offset": offset})
             chunks.append(raw)
             offset += len(raw)
         payload = b"".join(chunks)
         header = json.dumps({"meta": self.meta, "strings": {k: list(getattr(self, k)) for k in _STRING_TABLES},
                              "columns": columns, "payload_bytes": len(payload),
-                             "payload_crc32": zlib.crc32(payload)}, separators=(",", ":")).encode()
+                             "payload_crc32": zlib.crc32(payload)}, separators=(",", ":"), allow_nan=False).encode()
         prefix = MAGIC + np.array([FORMAT_VERSION, len(header)], "<u4").tobytes()
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".vktrace-", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(prefix)
-                f.write(header)
-                f.write(payload)
-            os.chmod(tmp, 0o644)  # mkstemp makes it private (0600); a saved trace is an ordinary file
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        write_atomically(path, prefix + header + payload)
         return path
 
     @classmethod
@@ -284,48 +395,42 @@ class Trace:
 
     @classmethod
     def from_bytes(cls, data: bytes, what: str = "trace") -> "Trace":
-        if len(data) < 16:
+        """Parse the bytes of a ``.vktrace`` file. Nothing in them is trusted: the prefix, every
+        header field's type and range and every column's place in the payload are checked before
+        anything is allocated for it (``TraceFormatError`` naming the field and where it is in the
+        file), then ``validate`` checks that the columns agree, and the C replay checks again."""
+        if len(data) < _PREFIX:
             raise TraceFormatError(f"{what}: {len(data)} bytes is too short for a .vktrace file (16-byte prefix)")
         if data[:8] != MAGIC:
-            raise TraceFormatError(f"{what}: not a .vktrace file (magic {data[:8]!r}, expected {MAGIC!r})")
+            hint = " (it is a pickle: read a PyTorch snapshot with from_torch_snapshot)" if data[:1] == b"\x80" else ""
+            raise TraceFormatError(f"{what}: not a .vktrace file (magic {bytes(data[:8])!r}, expected {MAGIC!r}){hint}")
         version, hlen = (int(v) for v in np.frombuffer(data[8:16], "<u4"))
         if version != FORMAT_VERSION:
-            raise TraceFormatError(f"{what}: .vktrace format version {version}; this vramkit reads version "
-                                   f"{FORMAT_VERSION}")
-        if len(data) < 16 + hlen:
-            raise TraceFormatError(f"{what}: truncated: the header needs {16 + hlen} bytes, the file has {len(data)}")
-        try:
-            header = json.loads(data[16:16 + hlen].decode())
-            payload_bytes = int(header["payload_bytes"])
-            crc = int(header["payload_crc32"])
-            col_specs = header["columns"]
-            strings = header["strings"]
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-            raise TraceFormatError(f"{what}: unreadable header ({exc})") from None
-        expected = 16 + hlen + payload_bytes
+            raise TraceFormatError(f"{what}: .vktrace format version {version} (file offset 8); this vramkit reads "
+                                   f"version {FORMAT_VERSION}")
+        if len(data) < _PREFIX + hlen:
+            raise TraceFormatError(f"{what}: truncated: the header length at file offset 12 says {hlen:,} bytes, so "
+                                   f"the file needs at least {_PREFIX + hlen:,}; it has {len(data):,}")
+        header = _parse_header(bytes(data[_PREFIX:_PREFIX + hlen]), what)
+        payload_bytes = header["payload_bytes"]
+        expected = _PREFIX + hlen + payload_bytes
         if len(data) != expected:
             state = "truncated" if len(data) < expected else "has trailing bytes"
-            raise TraceFormatError(f"{what}: {state}: expected {expected} bytes, the file has {len(data)}")
-        payload = memoryview(data)[16 + hlen:]
-        if zlib.crc32(payload) != crc:
-            raise TraceFormatError(f"{what}: corrupted: the payload's CRC-32 does not match the header")
+            raise TraceFormatError(f"{what}: {state}: the header says {payload_bytes:,} payload bytes after file "
+                                   f"offset {_PREFIX + hlen:,}, so {expected:,} bytes in all; the file has {len(data):,}")
+        payload = memoryview(data)[_PREFIX + hlen:]
+        if zlib.crc32(payload) != header["payload_crc32"]:
+            raise TraceFormatError(f"{what}: corrupted: the CRC-32 of the payload (file offset {_PREFIX + hlen:,}, "
+                                   f"{payload_bytes:,} bytes) does not match the header")
         cols: dict[str, np.ndarray] = {}
-        wanted = {**_EVENT_COLUMNS, **_ALLOC_COLUMNS}
-        for spec in col_specs:
-            name = spec.get("name")
-            if name not in wanted:
-                continue
-            dtype = np.dtype(spec["dtype"])
-            start, length = int(spec["offset"]), int(spec["length"])
-            end = start + length * dtype.itemsize
-            if start < 0 or end > payload_bytes:
-                raise TraceFormatError(f"{what}: column {name!r} lies outside the payload")
-            cols[name] = np.frombuffer(payload[start:end], dtype=dtype).astype(wanted[name])
-        missing = sorted(set(wanted) - set(cols))
-        if missing:
-            raise TraceFormatError(f"{what}: missing columns {missing}")
-        t = cls(**cols, **{k: [str(s) for s in strings.get(k, [])] for k in _STRING_TABLES},
-                meta=dict(header.get("meta") or {}))
+        for spec in header["columns"]:
+            name = spec["name"]
+            wanted = _COLUMN_DTYPES.get(name)
+            if wanted is None:
+                continue  # a column this version does not know: its place was checked, its bytes are skipped
+            start, end = spec["offset"], spec["offset"] + spec["length"] * wanted.itemsize
+            cols[name] = np.frombuffer(payload[start:end], dtype=wanted).astype(wanted.newbyteorder("="))
+        t = cls(**cols, **header["strings"], meta=header["meta"])
         t.validate()
         return t
 

@@ -83,15 +83,15 @@ Known differences from the recorded run
 from __future__ import annotations
 
 import os
-import pickle
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
-from ._trace_format import ALLOC, CATEGORIES, FREE, Trace, TraceFormatError
+from ._plain_pickle import UnsafePickleError, loads_plain
+from ._trace_format import ALLOC, CATEGORIES, FREE, MAGIC, Trace, TraceFormatError, describe_value
 
-__all__ = ["from_torch_snapshot"]
+__all__ = ["from_torch_snapshot", "read_snapshot_file"]
 
 _KMIN_BLOCK = 512  # PyTorch's kMinBlockSize: every request is rounded up to a multiple of it
 _ACTIVE_STATES = ("active_allocated", "active_pending_free", "active_awaiting_free")
@@ -100,8 +100,10 @@ _MEM_ACTIONS = ("alloc", *_FREE_ACTIONS)
 _RESERVE = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
 _CPP_SUFFIXES = (".c", ".cc", ".cpp", ".cxx", ".h", ".hh", ".hpp", ".cu", ".cuh")
 _MASK64 = (1 << 64) - 1
+_SIZE_LIMIT = 1 << 62  # as Trace.validate: no size reaches 2**62 bytes
 _EXPECTED = ("a dict from torch.cuda.memory._snapshot() or vramkit.memory_snapshot() with keys 'segments' and "
              "'device_traces'")
+_FROM_FILE = ("expected a file written by torch.cuda.memory._dump_snapshot() or vramkit.dump_snapshot()")
 
 
 def _round_up(n: int) -> int:
@@ -126,37 +128,114 @@ def _is_internal(filename: str) -> bool:
     return False
 
 
-def _load(snapshot: Any) -> tuple[Mapping[str, Any], str]:
-    """The snapshot dict and a name for messages."""
+# ---------------------------------------------------------------------------------- strict fields
+# A snapshot from a file is anyone's data: every field is checked for its type and range before
+# it is used, so a malformed one is a TraceFormatError naming where it is, never a TypeError or
+# OverflowError from deep inside (and never str() of an arbitrary object, which a pickle of
+# shared references can make enormous).
+
+
+def _bad(where: str, key: str, value: Any, wanted: str) -> NoReturn:
+    raise TraceFormatError(f"{where}: {key!r} is {describe_value(value)}; expected {wanted}")
+
+
+def _uint(d: Mapping[str, Any], key: str, where: str, default: Any = None, *, limit: int = _SIZE_LIMIT) -> int:
+    """d[key] as an int in [0, limit); `default` when absent or None (required if default is None)."""
+    v = d.get(key)
+    if v is None:
+        if default is None:
+            raise TraceFormatError(f"{where}: missing {key!r}")
+        return int(default)
+    if type(v) is not int or not 0 <= v < limit:
+        _bad(where, key, v, f"an integer from 0 to {limit - 1:,}")
+    return v
+
+
+def _stream(d: Mapping[str, Any], where: str) -> int:
+    """A cudaStream_t as an unsigned 64-bit value (0, the default stream, when absent)."""
+    v = d.get("stream")
+    if v is None:
+        return 0
+    if type(v) is not int or not -(1 << 63) <= v <= _MASK64:
+        _bad(where, "stream", v, "a 64-bit integer (a cudaStream_t)")
+    return v & _MASK64
+
+
+def _mapping(v: Any, where: str, what: str) -> Mapping[str, Any]:
+    if not isinstance(v, Mapping):
+        raise TraceFormatError(f"{where}: {what} is {describe_value(v)}; expected a dict")
+    return v
+
+
+def _sequence(v: Any, where: str, what: str) -> list[Any] | tuple[Any, ...]:
+    if not isinstance(v, (list, tuple)):
+        raise TraceFormatError(f"{where}: {what} is {describe_value(v)}; expected a list")
+    return v
+
+
+# ---------------------------------------------------------------------------------- reading
+
+
+def read_snapshot_file(path: str | os.PathLike[str]) -> tuple[Mapping[str, Any], int]:
+    """The snapshot dict in the pickle at `path`, read without running code from it, and the
+    file's size. Raises OSError as Python does for a path that cannot be read, and
+    ``TraceFormatError`` for anything but a plain-data pickle."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:  # FileNotFoundError, IsADirectoryError, ... as Python raises them
+        data = f.read()
+    if data[:len(MAGIC)] == MAGIC:
+        raise TraceFormatError(f"{path}: is a .vktrace file, not a snapshot pickle; read it with "
+                               "vramkit.trace.load() (or `vramkit replay` without --device)")
+    try:
+        obj = loads_plain(data)
+    except UnsafePickleError as exc:
+        raise TraceFormatError(f"{path}: {exc}") from None
+    except MemoryError:
+        # CPython's unpickler allocates a bytes object of the length an opcode declares before
+        # reading it, so 10 bytes can ask for an exabyte: malformed, or truly too large here.
+        raise TraceFormatError(f"{path}: unpickling these {len(data):,} bytes asks for more memory than this "
+                               "machine can give: a malformed pickle (an object declared far larger than the "
+                               "file), or a snapshot too large to read here") from None
+    except Exception as exc:  # truncated (EOFError, UnpicklingError), garbage, persistent ids, ...
+        raise TraceFormatError(f"{path}: not a readable pickle ({type(exc).__name__}: {_short(exc)}); "
+                               f"{_FROM_FILE}") from None
+    return obj, len(data)
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _load(snapshot: Any) -> tuple[Mapping[str, Any], str, int | None]:
+    """The snapshot dict, a name for messages, and the work budget: for a file, its size in
+    bytes bounds how many blocks and entries it can hold (each costs at least a byte), so a
+    small file of shared references cannot make the import walk billions of them."""
+    budget = None
     if isinstance(snapshot, (str, os.PathLike)):
-        path = os.fspath(snapshot)
-        with open(path, "rb") as f:  # FileNotFoundError etc. as Python raises them
-            data = f.read()
-        try:
-            obj = pickle.loads(data)
-        except MemoryError:
-            raise
-        except Exception as exc:  # truncated (EOFError, UnpicklingError), garbage, unknown classes
-            raise TraceFormatError(f"{path}: not a readable pickle ({type(exc).__name__}: {exc}); expected a file "
-                                   "written by torch.cuda.memory._dump_snapshot() or vramkit.dump_snapshot()") from None
-        what = path
+        what = os.fspath(snapshot)
+        obj, budget = read_snapshot_file(what)
     elif isinstance(snapshot, Mapping):
         obj, what = snapshot, "snapshot"
     else:
         raise TypeError(f"snapshot must be {_EXPECTED}, or the path of a pickle of one; got "
                         f"{type(snapshot).__name__}")
     if not isinstance(obj, Mapping):
-        raise TraceFormatError(f"{what}: holds a {type(obj).__name__}, expected {_EXPECTED}")
+        raise TraceFormatError(f"{what}: holds {describe_value(obj)}, expected {_EXPECTED}")
     missing = [k for k in ("segments", "device_traces") if k not in obj]
     if missing:
+        keys = sorted(k if len(k) <= 40 else k[:40] + "..." for k in obj if isinstance(k, str))[:8]
         raise TraceFormatError(f"{what}: missing {' and '.join(repr(k) for k in missing)}; expected {_EXPECTED} "
-                               f"(it has {sorted(map(str, obj))[:8]})")
+                               f"(it has {keys})")
     if not isinstance(obj["device_traces"], (list, tuple)) or not all(
             isinstance(t, (list, tuple)) for t in obj["device_traces"]):
         raise TraceFormatError(f"{what}: 'device_traces' must be a list with one list of trace entries per device")
     if not isinstance(obj["segments"], (list, tuple)) or not all(isinstance(s, Mapping) for s in obj["segments"]):
         raise TraceFormatError(f"{what}: 'segments' must be a list of segment dicts")
-    return obj, what
+    recorded_on = obj.get("vramkit_device")
+    if recorded_on is not None and (not isinstance(recorded_on, str) or len(recorded_on) > 64):
+        _bad(what, "vramkit_device", recorded_on, "a device name such as 'cpu' or 'cuda:0'")
+    return obj, what, budget
 
 
 def _pick_device(snap: Mapping[str, Any], device: Any, what: str) -> int:
@@ -178,38 +257,45 @@ def _pick_device(snap: Mapping[str, Any], device: Any, what: str) -> int:
     if n == 0:
         raise TraceFormatError(f"{what}: 'device_traces' is empty (no device); record with "
                                "torch.cuda.memory._record_memory_history() before taking the snapshot")
-    with_segments = sorted({int(s.get("device", 0)) for s in snap["segments"]})
+    with_segments = sorted({_uint(s, "device", f"{what}: segment {i}", 0, limit=1 << 31)
+                            for i, s in enumerate(snap["segments"])})
     return with_segments[0] if len(with_segments) == 1 and with_segments[0] < n else 0
 
 
-def _final_blocks(segments: list[Mapping[str, Any]],
-                  what: str) -> tuple[dict[int, tuple[Any, ...]], int, int, int, int]:
+def _final_blocks(segments: list[Mapping[str, Any]], what: str,
+                  budget: int | None) -> tuple[dict[int, tuple[Any, ...]], int, int, int, int]:
     """address -> (size, requested_size, stream, frames) of the active blocks, and the totals:
     reserved, active bytes, allocated (not awaiting free) bytes, requested bytes."""
     active: dict[int, tuple[Any, ...]] = {}
     reserved = act = allocated = requested = 0
+    visited = 0
     for si, seg in enumerate(segments):
-        try:
-            reserved += int(seg["total_size"])
-            addr = int(seg.get("address", 0))
-            stream = int(seg.get("stream", 0) or 0) & _MASK64
-            for b in seg.get("blocks") or ():
-                size = int(b["size"])
-                if "address" in b:
-                    addr = int(b["address"])
-                state = b.get("state")
-                if state in _ACTIVE_STATES:
-                    req = int(b.get("requested_size") or 0)
-                    active[addr] = (size, req, stream, b.get("frames"))
-                    act += size
-                    requested += req
-                    if state == "active_allocated":
-                        allocated += size
-                addr += size
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TraceFormatError(f"{what}: segment {si} at {seg.get('address')!r} is malformed "
-                                   f"({type(exc).__name__}: {exc}); a segment needs total_size and blocks with "
-                                   "size and state") from None
+        where = f"{what}: segment {si}"
+        reserved += _uint(seg, "total_size", where)
+        addr = _uint(seg, "address", where, 0, limit=1 << 64)
+        stream = _stream(seg, where)
+        blocks = _sequence(seg.get("blocks") or (), where, "'blocks'")
+        visited += len(blocks)
+        if budget is not None and visited > budget:
+            raise TraceFormatError(f"{what}: its segments list more blocks than a file of {budget:,} bytes can hold "
+                                   "(the same objects referenced over and over); refusing")
+        for bi, b in enumerate(blocks):
+            bwhere = f"{where}, block {bi}"
+            b = _mapping(b, bwhere, "the block")
+            size = _uint(b, "size", bwhere)
+            if "address" in b:
+                addr = _uint(b, "address", bwhere, limit=1 << 64)
+            state = b.get("state")
+            if not isinstance(state, str):
+                _bad(bwhere, "state", state, "a string such as 'active_allocated' or 'inactive'")
+            if state in _ACTIVE_STATES:
+                req = _uint(b, "requested_size", bwhere, 0)
+                active[addr] = (size, req, stream, b.get("frames"))
+                act += size
+                requested += req
+                if state == "active_allocated":
+                    allocated += size
+            addr += size
     return active, reserved, act, allocated, requested
 
 
@@ -218,40 +304,50 @@ def from_torch_snapshot(snapshot: Any, device: int | None = None) -> Trace:
 
     snapshot: the dict ``torch.cuda.memory._snapshot()`` (or ``vramkit.memory_snapshot()``)
     returns, or the path (str or PathLike) of a pickle of one, as written by
-    ``torch.cuda.memory._dump_snapshot()`` or ``vramkit.dump_snapshot()``. Unpickling can run
-    arbitrary code: pass only files you made or trust.
+    ``torch.cuda.memory._dump_snapshot()`` or ``vramkit.dump_snapshot()``. A file is read as
+    plain data only: a pickle that names any class or function (the way a pickle runs code)
+    is refused, nothing in it is called.
 
     device: the index into ``device_traces``; None picks the only device with trace entries.
 
     Raises FileNotFoundError (and other OSErrors) for a path that cannot be read;
-    ``TraceFormatError`` for content that is not a snapshot (an unreadable or truncated pickle,
-    not a dict, no 'segments'/'device_traces', malformed entries or entries that contradict each
-    other), and for several devices with entries and device=None; ValueError for a device out of
-    range; TypeError for an argument that is neither a dict nor a path. See the module docstring
-    for what maps to what and for ``meta``.
+    ``TraceFormatError`` for content that is not a snapshot (an unreadable, truncated or unsafe
+    pickle, a .vktrace file, not a dict, no 'segments'/'device_traces', malformed entries or
+    entries that contradict each other), and for several devices with entries and
+    device=None; ValueError for a device out of range; TypeError for an argument that is
+    neither a dict nor a path. See the module docstring for what maps to what and for ``meta``.
     """
-    snap, what = _load(snapshot)
+    snap, what, budget = _load(snapshot)
     dev = _pick_device(snap, device, what)
     entries = snap["device_traces"][dev]
-    try:
-        segments = [s for s in snap["segments"] if int(s.get("device", dev)) == dev]
-    except (TypeError, ValueError) as exc:
-        raise TraceFormatError(f"{what}: a segment has a bad 'device' ({exc})") from None
-    active_end, rec_reserved, rec_active, rec_allocated, rec_requested = _final_blocks(segments, what)
+    segments = [s for i, s in enumerate(snap["segments"])
+                if _uint(s, "device", f"{what}: segment {i}", dev, limit=1 << 31) == dev]
+    active_end, rec_reserved, rec_active, rec_allocated, rec_requested = _final_blocks(segments, what, budget)
     block_sizes = "vramkit_device" in snap  # vramkit's entries carry block sizes, PyTorch's requests
     where = f"{what}: device_traces[{dev}]"
 
-    # Pass 1: the first entry naming each address. An address first seen freed was allocated
-    # before the trace began.
+    # Pass 1: check every entry's shape and take the first entry naming each address. An
+    # address first seen freed was allocated before the trace began.
     first: dict[int, int] = {}
-    i = -1
-    try:
-        for i, e in enumerate(entries):
-            if e["action"] in _MEM_ACTIONS:
-                first.setdefault(int(e["addr"]), i)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise TraceFormatError(f"{where}[{i}]: malformed entry ({type(exc).__name__}: {exc}); alloc and free "
-                               "entries need 'action', 'addr' and 'size'") from None
+    for i, e in enumerate(entries):
+        if not isinstance(e, Mapping):
+            raise TraceFormatError(f"{where}[{i}]: malformed entry ({describe_value(e)}); entries are dicts with "
+                                   "'action', and 'addr', 'size', 'stream' for alloc, free and segment actions")
+        action = e.get("action")
+        if not isinstance(action, str):
+            raise TraceFormatError(f"{where}[{i}]: malformed entry ('action' is {describe_value(action)}); alloc and "
+                                   "free entries need 'action', 'addr' and 'size'")
+        if action in _MEM_ACTIONS:
+            ewhere = f"{where}[{i}]: malformed entry"
+            _uint(e, "size", ewhere)
+            _stream(e, ewhere)
+            first.setdefault(_uint(e, "addr", ewhere, limit=1 << 64), i)
+        elif action in _RESERVE:
+            _uint(e, "size", f"{where}[{i}]: malformed entry")
+        elif action == "oom":
+            _uint(e, "size", f"{where}[{i}]: malformed entry")
+            if e.get("device_free") is not None:
+                _uint(e, "device_free", f"{where}[{i}]: malformed entry", limit=1 << 64)
 
     # Attribution tables.
     modules: list[str] = []
@@ -262,7 +358,7 @@ def from_torch_snapshot(snapshot: Any, device: int | None = None) -> Trace:
     by_frames: dict[int, tuple[int, int]] = {}  # id(frames list) -> (module, op); pickles share lists
     keep_alive: list[Any] = []
 
-    def attribute(frames: Any) -> tuple[int, int]:
+    def attribute(frames: Any, at: str) -> tuple[int, int]:
         if not frames:
             return -1, -1
         key = id(frames)
@@ -270,24 +366,28 @@ def from_torch_snapshot(snapshot: Any, device: int | None = None) -> Trace:
         if hit is not None:
             return hit
         result = (-1, -1)
-        for f in frames:
+        for f in _sequence(frames, at, "'frames'"):
             if not isinstance(f, Mapping):
                 continue
-            filename = str(f.get("filename", ""))
+            filename = f.get("filename", "")
+            if not isinstance(filename, str):
+                _bad(at, "filename", filename, "a string")
             inside = internal.get(filename)
             if inside is None:
                 inside = internal[filename] = _is_internal(filename)
             if not inside:
-                m = f"{filename}:{f.get('line', 0)}"
-                o = str(f.get("name", "?"))
+                name = f.get("name", "?")
+                if not isinstance(name, str):
+                    _bad(at, "name", name, "a string (the function's name)")
+                m = f"{filename}:{_uint(f, 'line', at, 0, limit=1 << 31)}"
                 mi = mod_index.get(m)
                 if mi is None:
                     mi = mod_index[m] = len(modules)
                     modules.append(m)
-                oi = op_index.get(o)
+                oi = op_index.get(name)
                 if oi is None:
-                    oi = op_index[o] = len(ops)
-                    ops.append(o)
+                    oi = op_index[name] = len(ops)
+                    ops.append(name)
                 result = (mi, oi)
                 break
         by_frames[key] = result
@@ -324,17 +424,13 @@ def from_torch_snapshot(snapshot: Any, device: int | None = None) -> Trace:
     for addr, i in first.items():
         e = entries[i]
         if e["action"] != "alloc":
-            try:
-                size = int(e["size"])
-                stream = int(e.get("stream") or 0) & _MASK64
-            except (KeyError, TypeError, ValueError) as exc:
-                raise TraceFormatError(f"{where}[{i}]: malformed entry ({type(exc).__name__}: {exc})") from None
-            initial.append((addr, size, stream, -1, -1, size if block_sizes else -1))
+            size, stream = e["size"], e.get("stream") or 0
+            initial.append((addr, size, stream & _MASK64, -1, -1, size if block_sizes else -1))
     for addr, (bsize, req, stream, frames) in active_end.items():
         if addr in first:
             continue
         size = bsize if block_sizes or req <= 0 else req
-        mod, op = attribute(frames)
+        mod, op = attribute(frames, f"{what}: the frames of the block at {addr:#x}")
         initial.append((addr, size, stream, mod, op, bsize))
     initial.sort()
     live: dict[int, int] = {}
@@ -342,55 +438,45 @@ def from_torch_snapshot(snapshot: Any, device: int | None = None) -> Trace:
         live[addr] = add_alloc(addr, size, stream, mod, op, known)
     num_initial = len(initial)
 
-    # Pass 2: the events.
+    # Pass 2: the events (every field used here was checked in pass 1).
     pending: dict[int, int] = {}  # address -> entry index of a free_requested not yet completed
     reserved_delta = 0
     reserved_running: list[int] = [0]  # reserved bytes relative to the start, after each change
     ooms: list[dict[str, Any]] = []
-    i = -1
-    try:
-        for i, e in enumerate(entries):
-            action = e["action"]
-            if action == "alloc":
-                addr = int(e["addr"])
-                if addr in live:
-                    raise TraceFormatError(f"{where}[{i}]: alloc at address {addr:#x}, which holds a block not yet "
-                                           "freed (no free_completed for it); entries contradict each other")
-                size = int(e["size"])
-                if size < 0:
-                    raise ValueError(f"negative size {size}")
-                mod, op = attribute(e.get("frames"))
-                live[addr] = add_alloc(addr, size, int(e.get("stream") or 0) & _MASK64, mod, op,
-                                       size if block_sizes else -1)
-            elif action == "free_completed":
-                addr = int(e["addr"])
-                nid = live.pop(addr, None)
-                if nid is None:
-                    raise TraceFormatError(f"{where}[{i}]: free_completed at address {addr:#x}, where no block is "
-                                           "allocated at that point; entries contradict each other")
-                pending.pop(addr, None)
-                kinds.append(FREE)
-                ids.append(nid)
-                sizes.append(a_size[nid])
-                streams.append(a_stream[nid])
-            elif action in _FREE_ACTIONS:  # free_requested
-                addr = int(e["addr"])
-                if addr not in live:
-                    raise TraceFormatError(f"{where}[{i}]: {action} at address {addr:#x}, where no block is "
-                                           "allocated at that point; entries contradict each other")
-                pending[addr] = i
-            elif action in _RESERVE:
-                reserved_delta += _RESERVE[action] * int(e["size"])
-                reserved_running.append(reserved_delta)
-            elif action == "oom":
-                ooms.append({"event": len(kinds), "size": int(e["size"]),
-                             "device_free": int(e["device_free"]) if e.get("device_free") is not None else None})
-            # "snapshot", annotations and actions of newer PyTorch versions make no events
-    except TraceFormatError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise TraceFormatError(f"{where}[{i}]: malformed entry ({type(exc).__name__}: {exc}); entries are dicts with "
-                               "'action', and 'addr', 'size', 'stream' for alloc, free and segment actions") from None
+    for i, e in enumerate(entries):
+        action = e["action"]
+        if action == "alloc":
+            addr = e["addr"]
+            if addr in live:
+                raise TraceFormatError(f"{where}[{i}]: alloc at address {addr:#x}, which holds a block not yet "
+                                       "freed (no free_completed for it); entries contradict each other")
+            size = e["size"]
+            mod, op = attribute(e.get("frames"), f"{where}[{i}]: malformed entry")
+            live[addr] = add_alloc(addr, size, (e.get("stream") or 0) & _MASK64, mod, op,
+                                   size if block_sizes else -1)
+        elif action == "free_completed":
+            addr = e["addr"]
+            nid = live.pop(addr, None)
+            if nid is None:
+                raise TraceFormatError(f"{where}[{i}]: free_completed at address {addr:#x}, where no block is "
+                                       "allocated at that point; entries contradict each other")
+            pending.pop(addr, None)
+            kinds.append(FREE)
+            ids.append(nid)
+            sizes.append(a_size[nid])
+            streams.append(a_stream[nid])
+        elif action in _FREE_ACTIONS:  # free_requested
+            addr = e["addr"]
+            if addr not in live:
+                raise TraceFormatError(f"{where}[{i}]: {action} at address {addr:#x}, where no block is "
+                                       "allocated at that point; entries contradict each other")
+            pending[addr] = i
+        elif action in _RESERVE:
+            reserved_delta += _RESERVE[action] * e["size"]
+            reserved_running.append(reserved_delta)
+        elif action == "oom":
+            ooms.append({"event": len(kinds), "size": e["size"], "device_free": e.get("device_free")})
+        # "snapshot", annotations and actions of newer PyTorch versions make no events
 
     # Block sizes for the allocated curve: exact for blocks still live at the end.
     untraced_end = sum(1 for addr in active_end if addr in first and addr not in live)

@@ -320,7 +320,8 @@ def replay(trace: Trace, capacity: Any, alloc_conf: Any = None, *, overheads: Gp
         upto = slice(0, focus + 1)
         is_alloc = kind[upto] == ALLOC
         alloc_pos = np.flatnonzero(is_alloc)
-        freed = np.zeros(int(ids.max()) + 1 if n else 0, bool)
+        mem_ids = ids[kind <= FREE]  # marker ids are phase and step numbers, not allocation ids
+        freed = np.zeros(int(mem_ids.max()) + 1 if mem_ids.size else 0, bool)
         fpos = np.flatnonzero(kind[upto] == FREE)
         freed[ids[fpos]] = True
         live_pos = alloc_pos[~freed[ids[alloc_pos]]]

@@ -311,15 +311,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns = parser.parse_args(argv)
     except SystemExit as exc:  # argparse reports bad usage itself (status 2) or --help (status 0)
         return _exit_status(exc.code)
-    if ns.command == "run":
-        return _cmd_run(ns)
-    if ns.command in ("fit", "replay"):
-        from ._cli_predict import cmd_fit, cmd_replay
+    if ns.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        if ns.command == "run":
+            return _cmd_run(ns)
+        if ns.command in ("fit", "replay"):
+            from ._cli_predict import cmd_fit, cmd_replay
 
-        return cmd_fit(ns) if ns.command == "fit" else cmd_replay(ns)
-    if ns.command == "smi":
+            return cmd_fit(ns) if ns.command == "fit" else cmd_replay(ns)
         from ._cli_smi import cmd_smi
 
         return cmd_smi(ns)
-    parser.print_help(sys.stderr)
-    return 2
+    except KeyboardInterrupt:
+        # Ctrl-C: one line and the shell's status for SIGINT (128 + 2), as an interrupted
+        # command-line tool gives; the traceback would only show where vramkit happened to be.
+        print(f"\n{PROG} {ns.command}: interrupted", file=sys.stderr)
+        return 130

@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 
 from . import _C
 from ._devices import DeviceLike
+from ._files import write_atomically
 
 Buffer = _C.Buffer
 
@@ -86,11 +87,10 @@ def memory_snapshot(device: DeviceLike = None) -> dict[str, Any]:
 def write_snapshot(snapshot: dict[str, Any], path: str) -> str:
     """Pickle a snapshot dict to `path` in the form pytorch.org/memory_viz loads.
 
-    Pickle protocol 4 is used because the viewer's unpickler knows protocols 2 to 4 only.
+    Pickle protocol 4 is used because the viewer's unpickler knows protocols 2 to 4 only. The
+    file is written to a temporary name and renamed: a failure leaves no partial file.
     """
-    with open(path, "wb") as f:
-        pickle.dump(snapshot, f, protocol=4)
-    return path
+    return write_atomically(path, pickle.dumps(snapshot, protocol=4))
 
 
 def dump_snapshot(path: str = "vramkit-snapshot.pickle", device: DeviceLike = None) -> str:

@@ -14,6 +14,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ._files import write_atomically
 from .sites import (
     BEFORE_HISTORY,
     Frame,
@@ -34,7 +35,10 @@ _ML, _MR, _MT, _MB = 80, 20, 20, 50  # margins: left (y labels), right, top, bot
 
 
 def _e(value: Any) -> str:
-    return html.escape(str(value), quote=True)
+    # Lone surrogates (a non-UTF-8 file name as Python decodes it, or such a name in a snapshot)
+    # cannot be written as UTF-8: show them as \udcxx escapes instead of failing the page.
+    text = str(value).encode("utf-8", "backslashreplace").decode("utf-8")
+    return html.escape(text, quote=True)
 
 
 def downsample(n: int, series: Sequence[Sequence[int]], max_points: int = MAX_POINTS) -> list[int]:
@@ -255,8 +259,7 @@ def render_html(snapshot: Mapping[str, Any], *, title: str, top: int = 10, devic
 
 def write_html(path: str, snapshot: Mapping[str, Any], *, title: str, top: int = 10,
                device: int | None = None) -> str:
-    """Write render_html() to `path` (UTF-8); returns the path."""
+    """Write render_html() to `path` (UTF-8); returns the path. The page is written to a
+    temporary name and renamed, so a failure leaves no partial file."""
     page = render_html(snapshot, title=title, top=top, device=device)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(page)
-    return path
+    return write_atomically(path, page.encode("utf-8", "backslashreplace"))

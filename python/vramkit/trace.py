@@ -9,7 +9,7 @@
   a given one fit.
 * ``Trace.save`` / ``load`` read and write ``.vktrace`` files; ``load`` (and
   ``from_torch_snapshot``) also read PyTorch's memory snapshot pickles, so a run recorded on a
-  real GPU replays here.
+  real GPU replays here. Reading a file never runs code from it (plain data only).
 
 ``capture`` and ``fit`` need torch; the rest needs only NumPy.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ._trace_format import ALLOC, CATEGORIES, FREE, PHASE, PHASES, STEP, Trace, TraceFormatError
+from ._trace_format import ALLOC, CATEGORIES, FREE, MAGIC, PHASE, PHASES, STEP, Trace, TraceFormatError
 from ._trace_replay import NO_OVERHEADS, GpuOverheads, Prediction, format_size, parse_size, peak_live_bytes, replay
 
 __all__ = [
@@ -30,16 +30,26 @@ __all__ = [
 
 
 def load(path: str | os.PathLike) -> Trace:
-    """Read a ``.vktrace`` file or a PyTorch memory snapshot pickle (``_dump_snapshot``),
-    told apart by their first bytes. Unpickling runs code from the file: open only your own."""
+    """Read a ``.vktrace`` file or a PyTorch memory snapshot pickle (``_dump_snapshot``), told
+    apart by their first bytes, never by their name.
+
+    Nothing in the file runs: a snapshot pickle is read as plain data, and one that names any
+    class or function (the way a pickle runs code) is refused; a file named ``*.vktrace`` is
+    read only as a ``.vktrace``, so a pickle renamed to look like one is refused too. Every
+    malformed file is a ``TraceFormatError`` saying what is wrong and where; a path that cannot
+    be read raises the OSError Python gives (FileNotFoundError, IsADirectoryError, ...)."""
     path = os.fspath(path)
     with open(path, "rb") as f:
         head = f.read(8)
-    if head == b"VKTRACE\0":
+    if head == MAGIC:
         return Trace.load(path)
-    if head[:1] == b"\x80":  # a pickle protocol 2+ stream
+    if path.lower().endswith(".vktrace"):
+        kind = "a pickle" if head[:1] == b"\x80" else f"no .vktrace (it starts with {head!r})"
+        raise TraceFormatError(f"{path}: named .vktrace but holds {kind}; vramkit reads a .vktrace only as one "
+                               "(a snapshot pickle must not be named .vktrace)")
+    if head[:1] == b"\x80":  # a pickle, protocol 2 or later, as torch and vramkit write snapshots
         return from_torch_snapshot(path)
-    raise TraceFormatError(f"{path}: neither a .vktrace file nor a pickle (it starts with {head!r})")
+    raise TraceFormatError(f"{path}: neither a .vktrace file nor a snapshot pickle (it starts with {head!r})")
 
 
 def from_torch_snapshot(snapshot: Any, device: int | None = None) -> Trace:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import re
 
@@ -77,19 +78,70 @@ def test_curves_peak_and_final_values_in_the_plot(recorded):
     del w
 
 
-def test_frame_text_is_escaped(recorded):
-    evil = "<script>alert(1)</script>"
+def allocated_from(device: str, filename: str, name: str) -> tuple[vramkit.Buffer, dict]:
+    """A buffer allocated by a function that claims to be `name` in `filename`, and the snapshot."""
 
     def allocate(device: str) -> vramkit.Buffer:
         return vramkit.empty(MiB, device=device)
 
-    allocate.__code__ = allocate.__code__.replace(co_name=evil, co_filename="/tmp/<img src=x>.py")
-    b = allocate(recorded)
-    snapshot = vramkit.memory_snapshot(recorded)
+    allocate.__code__ = allocate.__code__.replace(co_name=name, co_filename=filename)
+    b = allocate(device)
+    return b, vramkit.memory_snapshot(device)
+
+
+def test_frame_text_is_escaped(recorded):
+    evil = "<script>alert(1)</script>"
+    b, snapshot = allocated_from(recorded, "/tmp/<img src=x>.py", evil)
     assert any(f["name"] == evil for e in device_trace(snapshot) for f in e["frames"])  # the premise
     page = render_html(snapshot, title="t")
     assert evil not in page and "<img" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    del b
+
+
+def test_lone_surrogates_are_escaped_and_the_page_is_written(recorded, tmp_path):
+    """A script path that is not UTF-8 reaches Python as lone surrogates (os.fsdecode): the page
+    shows them escaped instead of raising UnicodeEncodeError after the report."""
+    from vramkit.timeline import write_html
+
+    odd = "/data/caf\udce9/train.py"  # b"/data/caf\xe9/train.py" decoded by the filesystem encoding
+    b, snapshot = allocated_from(recorded, odd, "step\ud800")
+    assert any(f["filename"] == odd for e in device_trace(snapshot) for f in e["frames"])  # the premise
+    path = write_html(str(tmp_path / "t.html"), snapshot, title=f"vramkit timeline: {odd}")
+    page = open(path, encoding="utf-8").read()  # valid UTF-8 throughout
+    assert "caf\\udce9" in page and "step\\ud800" in page
+    del b
+
+
+def test_a_failed_write_leaves_no_partial_page(recorded, tmp_path, monkeypatch):
+    from vramkit import _files
+    from vramkit.timeline import write_html
+
+    b = vramkit.empty(MiB, device=recorded)
+    snapshot = vramkit.memory_snapshot(recorded)
+    target = tmp_path / "t.html"
+    target.write_text("the previous page")
+    real_fdopen = _files.os.fdopen
+
+    class FullDisk:
+        def __init__(self, fd, mode):
+            self.f = real_fdopen(fd, mode)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            self.f.write(data[: len(data) // 2])  # half of it reaches the disk, then it is full
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_files.os, "fdopen", FullDisk)
+    with pytest.raises(OSError, match="No space left"):
+        write_html(str(target), snapshot, title="t")
+    assert target.read_text() == "the previous page"
+    assert os.listdir(tmp_path) == ["t.html"]  # no temporary left behind
     del b
 
 

@@ -55,7 +55,7 @@ def test_bad_files_are_refused_with_the_reason(tmp_path):
     path = small_trace().save(tmp_path / "t.vktrace")
     data = open(path, "rb").read()
     (tmp_path / "short").write_bytes(data[:-3])
-    with pytest.raises(vt.TraceFormatError, match="truncated: expected"):
+    with pytest.raises(vt.TraceFormatError, match="truncated: the header says"):
         vt.load(tmp_path / "short")
     (tmp_path / "tiny").write_bytes(data[:10])
     with pytest.raises(vt.TraceFormatError, match="too short"):
@@ -64,14 +64,14 @@ def test_bad_files_are_refused_with_the_reason(tmp_path):
     with pytest.raises(vt.TraceFormatError, match="trailing bytes"):
         vt.load(tmp_path / "long")
     (tmp_path / "v2").write_bytes(data[:8] + (FORMAT_VERSION + 1).to_bytes(4, "little") + data[12:])
-    with pytest.raises(vt.TraceFormatError, match=f"version {FORMAT_VERSION + 1}; this vramkit reads version"):
+    with pytest.raises(vt.TraceFormatError, match=f"version {FORMAT_VERSION + 1} \\(file offset 8\\); this vramkit reads version"):
         vt.load(tmp_path / "v2")
     (tmp_path / "flip").write_bytes(data)
     corrupt(tmp_path / "flip", len(data) - 1, 0x40)
     with pytest.raises(vt.TraceFormatError, match="CRC-32"):
         vt.load(tmp_path / "flip")
     (tmp_path / "text").write_bytes(b"hello world, not a trace")
-    with pytest.raises(vt.TraceFormatError, match="neither a .vktrace file nor a pickle"):
+    with pytest.raises(vt.TraceFormatError, match="neither a .vktrace file nor a snapshot pickle"):
         vt.load(tmp_path / "text")
     with pytest.raises(vt.TraceFormatError, match="not a .vktrace file"):
         vt.Trace.load(tmp_path / "text")
@@ -97,7 +97,7 @@ def test_a_failed_save_leaves_the_old_file_and_no_temporary(tmp_path):
     (dict(kind=[0, 1], id=[0, 3], size=[8, 8]), "event 1: free of id 3, which is never allocated"),
     (dict(kind=[0, 9], id=[0, 0], size=[8, 0]), "event 1: unknown kind 9"),
     (dict(kind=[0], id=[-1], size=[8]), "event 0: negative allocation id -1"),
-    (dict(kind=[0, 0], id=[0, 2], size=[8, 8]), "allocation id 1 is never allocated"),
+    (dict(kind=[0, 0], id=[0, 2], size=[8, 8]), "ids must be dense from 0"),
     (dict(kind=[0], id=[0], size=[1 << 62]), "event 0: size 4611686018427387904 is not below 2\\*\\*62"),
     (dict(kind=[0], id=[0], size=[8], alloc_module=[5], modules=["a"]), "'alloc_module' indexes past"),
     (dict(kind=[0, 1], id=[0, 0], size=[8]), "column 'size' has 1 entries; the trace has 2 events"),

@@ -322,7 +322,7 @@ def test_pickle_of_a_list(tmp_path):
     path = tmp_path / "list.pickle"
     with open(path, "wb") as f:
         pickle.dump([1, 2, 3], f)
-    with pytest.raises(TraceFormatError, match=r"holds a list, expected a dict .*'segments' and 'device_traces'"):
+    with pytest.raises(TraceFormatError, match=r"holds a list of 3 entries, expected a dict .*'segments' and 'device_traces'"):
         from_torch_snapshot(path)
 
 
