@@ -14,7 +14,10 @@ Markers::
 What is measured, on `device` (a vramkit device: "cpu", "cuda:N", "sim:N"):
 
 * vramkit's pool: the peak of ``memory_allocated`` during the test above what was allocated
-  when it started (NumPy arrays with ``vramkit.numpy.install()``, vramkit Buffers, raw_alloc);
+  when it started (vramkit Buffers, raw_alloc, and on "cpu" NumPy arrays: the markers install
+  vramkit's NumPy handler for the test, as ``vramkit.numpy.caching()``, and restore the one the
+  test had; ``numpy=False`` on the marker leaves NumPy's own allocator, whose arrays are not
+  counted);
 * torch tensors, where torch is imported: the bytes of live tensor storages created during the
   test on that device type (the ``vramkit.torch.track`` meter), since torch's CPU allocator has
   no counters of its own. Each source is checked against the limit on its own.
@@ -26,16 +29,23 @@ garbage after each run, and fail only on steady growth: every measured run leave
 allocated than the one before, by more than `tolerance`. A cache that fills during the warm-up
 runs and then stays flat passes.
 
+unittest.TestCase methods are measured too: pytest runs them through unittest, not through
+``pytest_pyfunc_call``, so the plugin wraps their ``runtest()`` for the call phase. setUp and
+tearDown run inside the measurement, and a leak check reruns all three. unittest hands a
+failure to pytest instead of raising it; a run that fails ends the reruns, and that failure
+is what pytest reports.
+
 Fixture ``vram_sim``: a fresh simulated device for the test, 8 GiB or the capacity given by
 ``@pytest.mark.vram_sim("24 GiB")``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -113,21 +123,61 @@ class _PoolWatch:
 # ----------------------------------------------------------------------------- the call
 
 
-def _call(pyfuncitem: Any) -> None:
-    func = pyfuncitem.obj
-    args = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
-    func(**args)
+def _pyfunc_body(pyfuncitem: Any) -> Callable[[], bool]:
+    """One run of a plain test function with its fixture values; it raises if the test fails."""
+    def run() -> bool:
+        func = pyfuncitem.obj
+        func(**{name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames})
+        return False
+
+    return run
 
 
-def run_marked(pyfuncitem: Any) -> Any:
-    """Run a test marked vram_limit and/or vram_no_leak (pytest_pyfunc_call's work)."""
-    limit = pyfuncitem.get_closest_marker("vram_limit")
-    leak = pyfuncitem.get_closest_marker("vram_no_leak")
+def _runtest_body(item: Any, runtest: Callable[[], Any]) -> Callable[[], bool]:
+    """One run of an item through its own runtest() (a unittest.TestCase method: setUp, the
+    method, tearDown). unittest reports a failure to pytest's item instead of raising it
+    (``item._excinfo``, which pytest reports after the call); the run returns True then, so the
+    markers neither rerun nor judge a test that already failed."""
+    def run() -> bool:
+        runtest()
+        return bool(getattr(item, "_excinfo", None))
+
+    return run
+
+
+def run_marked(item: Any, runtest: Callable[[], Any] | None = None) -> Any:
+    """Run a test marked vram_limit and/or vram_no_leak: a plain test function (the plugin's
+    pytest_pyfunc_call), or, given its original `runtest`, any other item (a TestCase method)."""
+    limit = item.get_closest_marker("vram_limit")
+    leak = item.get_closest_marker("vram_no_leak")
+    body = _pyfunc_body(item) if runtest is None else _runtest_body(item, runtest)
     if leak is not None:
-        _run_no_leak(pyfuncitem, leak, limit)
+        _run_no_leak(body, leak, limit)
     else:
-        _run_limited(pyfuncitem, limit)
+        _run_limited(body, limit)
     return True
+
+
+def _numpy_option(marker: Any) -> bool:
+    value = marker.kwargs.get("numpy", True)
+    if not isinstance(value, bool):
+        raise pytest.UsageError(f"@pytest.mark.{marker.name}: numpy must be True or False, got {value!r} (True counts "
+                                "NumPy arrays in vramkit's cpu pool during the test; False leaves NumPy's allocator)")
+    return value
+
+
+@contextlib.contextmanager
+def _counting_numpy(device: str, enabled: bool) -> Iterator[None]:
+    """NumPy arrays are allocated by vramkit's cpu pool during the block (so a cpu limit counts
+    them) unless disabled or measuring another device; the handler the test had before is
+    restored afterwards, whether or not it was vramkit's (the fixture's install() survives)."""
+    if not enabled or device != "cpu":
+        yield
+        return
+    from . import numpy as vramkit_numpy
+
+    with vramkit_numpy.caching():
+        yield
 
 
 def _watchers(device: str) -> tuple[_PoolWatch, Any, Any]:
@@ -141,7 +191,7 @@ def _watchers(device: str) -> tuple[_PoolWatch, Any, Any]:
     return pool, meter, mode
 
 
-def _run_limited(pyfuncitem: Any, marker: Any) -> None:
+def _run_limited(body: Callable[[], bool], marker: Any) -> None:
     if not marker.args:
         raise pytest.UsageError("@pytest.mark.vram_limit needs a limit, e.g. vram_limit('512 MiB')")
     try:
@@ -149,13 +199,12 @@ def _run_limited(pyfuncitem: Any, marker: Any) -> None:
     except (TypeError, ValueError) as exc:
         raise pytest.UsageError(f"@pytest.mark.vram_limit: {exc}") from None
     device = _device(marker)
+    count_numpy = _numpy_option(marker)
     pool, meter, mode = _watchers(device)
     try:
-        if mode is not None:
-            with mode:
-                _call(pyfuncitem)
-        else:
-            _call(pyfuncitem)
+        with _counting_numpy(device, count_numpy), (mode if mode is not None else contextlib.nullcontext()):
+            if body():
+                return  # the test failed on its own: that failure is the report
         pool_peak = pool.peak_above_start()
         problems = []
         if pool_peak > limit:
@@ -172,7 +221,7 @@ def _run_limited(pyfuncitem: Any, marker: Any) -> None:
         pool.close()
 
 
-def _run_no_leak(pyfuncitem: Any, marker: Any, limit_marker: Any) -> None:
+def _run_no_leak(body: Callable[[], bool], marker: Any, limit_marker: Any) -> None:
     kw = marker.kwargs
     runs, warmup = kw.get("runs", 5), kw.get("warmup", 2)
     for name, value, low in (("runs", runs, 2), ("warmup", warmup, 0)):
@@ -183,16 +232,15 @@ def _run_no_leak(pyfuncitem: Any, marker: Any, limit_marker: Any) -> None:
     except (TypeError, ValueError) as exc:
         raise pytest.UsageError(f"@pytest.mark.vram_no_leak: {exc}") from None
     device = _device(marker)
+    count_numpy = _numpy_option(marker)
     pool, meter, mode = _watchers(device)
     pool_after: list[int] = []
     torch_after: list[int] = []
     try:
         for i in range(warmup + runs):
-            if mode is not None:
-                with mode:
-                    _call(pyfuncitem)
-            else:
-                _call(pyfuncitem)
+            with _counting_numpy(device, count_numpy), (mode if mode is not None else contextlib.nullcontext()):
+                if body():
+                    return  # a run failed on its own: no more runs, and that failure is the report
             gc.collect()
             if i >= warmup:
                 pool_after.append(pool.allocated())
@@ -212,7 +260,7 @@ def _run_no_leak(pyfuncitem: Any, marker: Any, limit_marker: Any) -> None:
     finally:
         pool.close()
     if limit_marker is not None:
-        _run_limited(pyfuncitem, limit_marker)
+        _run_limited(body, limit_marker)
 
 
 # ----------------------------------------------------------------------------- fixture

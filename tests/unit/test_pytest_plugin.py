@@ -17,19 +17,41 @@ try:
     import torch  # noqa: F401
 except ImportError:
     pass
+import vramkit  # noqa: E402
 import vramkit.numpy  # noqa: E402,F401  (likewise: the inner runs use them; keep one copy)
 import vramkit.pytest_plugin  # noqa: E402,F401
 import vramkit.sites  # noqa: E402,F401
 
 
+def plugin_under_test(pytestconfig) -> tuple[list[str], list]:
+    """pytest arguments and plugin objects that load the plugin of the vramkit under test.
+
+    The pytest11 entry point loads the installed vramkit_pytest at start-up; when the tests run
+    the source tree's vramkit (tests/conftest.py), an installed copy may be another version, so
+    the source tree's vramkit_pytest.py is loaded instead and the entry point blocked."""
+    import importlib.util
+
+    source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(vramkit.__file__))), "vramkit_pytest.py")
+    loaded = sys.modules.get("vramkit_pytest")
+    if not os.path.exists(source) or (loaded is not None and os.path.abspath(loaded.__file__) == source):
+        return ([] if pytestconfig.pluginmanager.has_plugin("vramkit") else ["-p", "vramkit_pytest"]), []
+    name = "vramkit_pytest_under_test"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, source)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return ["-p", "no:vramkit"], [sys.modules[name]]
+
+
 @pytest.fixture
 def run(pytester, pytestconfig):
     """Run pytest on a test file, with the plugin loaded as an installed vramkit would load it."""
-    plugin = [] if pytestconfig.pluginmanager.has_plugin("vramkit") else ["-p", "vramkit_pytest"]
+    args, plugins = plugin_under_test(pytestconfig)
 
-    def go(source: str, *args: str):
+    def go(source: str, *extra: str):
         pytester.makepyfile(test_sample=textwrap.dedent(source))
-        return pytester.runpytest(*plugin, "-p", "no:cacheprovider", *args)
+        return pytester.runpytest(*args, "-p", "no:cacheprovider", *extra, plugins=plugins)
 
     return go
 
@@ -184,3 +206,133 @@ def test_entry_point_is_declared():
                if "vramkit_pytest" in sys.modules else os.path.join(REPO, "python"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "False"
+
+
+UNITTEST_TESTS = """
+    import unittest
+    import pytest
+    import vramkit
+
+    KEPT = []
+    SETUPS = []
+
+    class TestLimits(unittest.TestCase):
+        @pytest.mark.vram_limit("16 MiB", device="cpu")
+        def test_over(self):
+            self.buffer = vramkit.empty(32 << 20, device="cpu")      # 32 MiB
+
+        @pytest.mark.vram_limit("64 MiB", device="cpu")
+        def test_under(self):
+            buffer = vramkit.empty(8 << 20, device="cpu")            # 8 MiB
+
+    class TestLeaks(unittest.TestCase):
+        def setUp(self):
+            SETUPS.append(self._testMethodName)
+
+        @pytest.mark.vram_no_leak(runs=3, warmup=1)
+        def test_leaky(self):
+            KEPT.append(vramkit.empty(1 << 20, device="cpu"))        # 1 MiB kept per run
+
+        @pytest.mark.vram_no_leak(runs=3, warmup=1)
+        def test_clean(self):
+            buffer = vramkit.empty(1 << 20, device="cpu")
+
+        @pytest.mark.vram_no_leak(runs=3, warmup=1)
+        def test_fails_on_its_second_run(self):
+            self.assertLess(SETUPS.count("test_fails_on_its_second_run"), 2, "second run")
+
+    def test_each_run_had_its_own_setup():
+        assert SETUPS.count("test_leaky") == 4 and SETUPS.count("test_clean") == 4
+        assert SETUPS.count("test_fails_on_its_second_run") == 2   # the failure stops the runs
+"""
+
+
+def test_markers_on_unittest_methods(run):
+    """pytest runs TestCase methods without pytest_pyfunc_call; the markers measure them anyway."""
+    result = run(UNITTEST_TESTS, "-v")
+    result.assert_outcomes(passed=3, failed=3)
+    out = result.stdout.str()
+    result.stdout.fnmatch_lines(["*TestLimits::test_over FAILED*", "*TestLimits::test_under PASSED*",  # by name
+                                 "*TestLeaks::test_clean PASSED*", "*TestLeaks::test_fails_on_its_second_run FAILED*",
+                                 "*TestLeaks::test_leaky FAILED*"])
+    assert "vram_limit(16.00 MiB, device='cpu') exceeded" in out
+    assert "vramkit's cpu pool peaked at 32.00 MiB allocated" in out
+    assert f"test_sample.py:{line_of(UNITTEST_TESTS, 'self.buffer = vramkit.empty')} in test_over" in out
+    assert "vramkit's cpu pool (allocated) grew on every one of 3 runs after 1 warm-up runs, by 1.00 MiB" in out
+    assert f"test_sample.py:{line_of(UNITTEST_TESTS, 'KEPT.append')} in test_leaky" in out
+    assert "AssertionError: 2 not less than 2 : second run" in out
+
+
+NUMPY_WITHOUT_INSTALL = """
+    import numpy as np, pytest
+    import vramkit.numpy as vnp
+
+    @pytest.mark.vram_limit("64 MiB")
+    def test_big():
+        a = np.ones(1 << 24)              # 128 MiB
+
+    @pytest.mark.vram_limit("64 MiB")
+    def test_small():
+        a = np.ones(1 << 20)              # 8 MiB
+
+    @pytest.mark.vram_limit("64 MiB", numpy=False)
+    def test_opted_out():
+        a = np.ones(1 << 24)              # not counted: the handler stays NumPy's
+
+    KEPT = []
+
+    @pytest.mark.vram_no_leak(runs=3, warmup=1)
+    def test_leaky():
+        KEPT.append(np.ones(1 << 18))     # 2 MiB kept per run
+
+    def test_handler_is_only_installed_for_marked_tests():
+        assert not vnp.is_installed()
+"""
+
+
+def test_numpy_arrays_count_without_install(run):
+    result = run(NUMPY_WITHOUT_INSTALL, "-v")
+    result.assert_outcomes(passed=3, failed=2)
+    out = result.stdout.str()
+    result.stdout.fnmatch_lines(["*test_big FAILED*", "*test_small PASSED*", "*test_opted_out PASSED*",
+                                 "*test_leaky FAILED*"])
+    assert "vramkit's cpu pool peaked at 128.00 MiB allocated" in out
+    assert f"test_sample.py:{line_of(NUMPY_WITHOUT_INSTALL, 'a = np.ones(1 << 24)')} in test_big" in out
+    assert "grew on every one of 3 runs after 1 warm-up runs, by 2.00 MiB per run" in out
+
+
+def test_a_handler_installed_by_the_test_stays_installed(run):
+    """The markers restore the handler the test had before it: a fixture's install() survives."""
+    result = run("""
+        import numpy as np, pytest
+        import vramkit.numpy as vnp
+
+        @pytest.fixture
+        def handler():
+            vnp.install()
+            yield
+            assert vnp.is_installed()
+            vnp.uninstall()
+
+        @pytest.mark.vram_limit("64 MiB")
+        def test_installed(handler):
+            a = np.ones(1 << 20)
+            assert vnp.is_installed()
+    """)
+    result.assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize("marker, message", [
+    ("vram_limit('1 MiB', numpy='yes')", "numpy must be True or False, got 'yes'"),
+    ("vram_no_leak(numpy=None)", "numpy must be True or False, got None"),
+])
+def test_bad_numpy_option_is_a_usage_error(run, marker, message):
+    result = run(f"""
+        import pytest
+
+        @pytest.mark.{marker}
+        def test_x():
+            pass
+    """)
+    assert result.ret != 0
+    assert message in result.stdout.str() + result.stderr.str()
