@@ -18,6 +18,7 @@
 
 #include <stdlib.h>
 
+#include "../util/address_space.h"
 #include "../util/error.h"
 
 /* vram_malloc reserves the block structs its split needs before the slow path runs; the
@@ -81,17 +82,43 @@ static vram__block_t *splice_new(vram_pool_t *pool, vram__block_t *b, uintptr_t 
     return n;
 }
 
-/* Reserve a new range for (stream, pool kind): 1 1/8 of the device, as PyTorch does, so pages
- * can still be mapped past holes that live blocks pin; larger if one request needs it. */
+/* The size of a new range: 1 1/8 of the device, as PyTorch does, so pages can still be mapped
+ * past holes that live blocks pin; larger if one request needs it. Where ranges take this
+ * process's address space (cpu) and RLIMIT_AS (`ulimit -v`, common on shared clusters) caps
+ * it, 1 1/8 of the host's memory would pass the limit and every request, even of one byte,
+ * would fail. A large-pool range then takes at most half of what the limit leaves, the rest
+ * staying for the rest of the process (its own mallocs, thread stacks, libraries loaded
+ * later) and for other ranges and segments; a small-pool range at most an eighth (its
+ * requests are 1 MiB or less, and a full range is followed by another). 0 when even a range
+ * for this request does not fit in that share. */
+static uint64_t range_size(vram_pool_t *pool, int is_small, uint64_t page, uint64_t rounded) {
+    uint64_t total = pool->total_capacity, need = round_up(rounded, page);
+    uint64_t size = round_up(total + total / 8, page);
+    if (size < need) size = need;
+    if (!pool->backend->address_space) return size;
+    uint64_t limit, used;
+    pool->backend->address_space(pool->ctx, &limit, &used);
+    if (limit == UINT64_MAX) return size;
+    uint64_t share = (limit > used ? limit - used : 0) / (is_small ? 8 : 2) / page * page;
+    if (size > share) size = share;
+    return size >= need ? size : 0;
+}
+
+/* Reserve a new range for (stream, pool kind). *use_classic is set when no range for the
+ * request can be had within the process's address-space limit (the size above is 0, or the
+ * backend refused the reservation as out of memory): a classic segment takes only the
+ * request's own size, so the caller gives it one (pool.c, new_memory). */
 static vram_status_t reserve_segment(vram_pool_t *pool, int is_small, vram_stream_t stream, uint64_t rounded,
-                                     vram__block_t **out) {
+                                     int *use_classic, vram__block_t **out) {
     if (!pool->backend->range_reserve)
         return vram__fail(VRAM_ERR_INVALID_ARG, "expandable_segments is not supported by the %s backend",
                           pool->backend->name);
     uint64_t page = is_small ? VRAM_SMALL_BUFFER : pool->settings.expandable_page_size;
-    uint64_t total = pool->total_capacity;
-    uint64_t size = round_up(total + total / 8, page);
-    if (size < round_up(rounded, page)) size = round_up(rounded, page);
+    uint64_t size = range_size(pool, is_small, page, rounded);
+    if (size == 0) {
+        *use_classic = 1;
+        return VRAM_ERR_OOM;
+    }
     vram_status_t status = vram__reserve_blocks(pool, 1 + CALLER_SPARES);
     if (status != VRAM_OK) return status;
     vram__segment_t *seg = calloc(1, sizeof *seg);
@@ -99,6 +126,9 @@ static vram_status_t reserve_segment(vram_pool_t *pool, int is_small, vram_strea
     uintptr_t addr = 0;
     status = pool->backend->range_reserve(pool->ctx, size, &addr);
     if (status != VRAM_OK) {
+        /* Only where the limit is known to apply: elsewhere (CUDA's address space) the layouts
+         * are kept apart as before. */
+        if (status == VRAM_ERR_OOM && pool->backend->address_space) *use_classic = 1;
         free(seg);
         return status;
     }
@@ -198,17 +228,19 @@ static vram_status_t map_more(vram_pool_t *pool, vram__block_t *b, uint64_t size
 }
 
 vram_status_t vram__expandable_alloc(vram_pool_t *pool, int is_small, vram_stream_t stream, uint64_t rounded,
-                                     uint64_t context, int is_retry, vram__block_t **out) {
+                                     uint64_t context, int is_retry, int *use_classic, vram__block_t **out) {
     *out = NULL;
+    *use_classic = 0;
     if (is_retry) pool->stats.num_alloc_retries++;
     pool->host.rejected = 0; /* the OOM message describes the last attempt */
+    vram__as_refusal_clear();
     /* A request that no amount of releasing can serve is an OOM before any address space is
      * reserved for it (a range sized to it could exhaust the addresses instead). */
     uint64_t pages = round_up(rounded, is_small ? VRAM_SMALL_BUFFER : pool->settings.expandable_page_size);
     if (pages > pool->settings.allowed_bytes || pages > pool->total_capacity) return VRAM_ERR_OOM;
     vram__block_t *c = find_candidate(pool, is_small, stream, rounded);
     vram_status_t status = VRAM_OK;
-    if (!c) status = reserve_segment(pool, is_small, stream, rounded, &c);
+    if (!c) status = reserve_segment(pool, is_small, stream, rounded, use_classic, &c);
     if (status == VRAM_OK && c->unmapped) status = map_more(pool, c, c->size < rounded ? c->size : rounded, context, &c);
     /* Now c is free and mapped; while it is short, the block after it is unmapped (free
      * neighbours are always merged) and mapping part of it extends c. A failure leaves the

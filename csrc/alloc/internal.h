@@ -316,9 +316,11 @@ static inline void vram__whole_free_count(vram_pool_t *pool, const vram__segment
 /* expandable.c (pool lock held): PyTorch's expandable segments. */
 /* Map pages for a free block of at least `rounded` bytes on (stream, pool kind): extend a free
  * block with the unmapped space after it, map a hole, or reserve a new range. *out is in the
- * free index. VRAM_ERR_OOM (no message) when the device, the limit or the host has no room. */
+ * free index. VRAM_ERR_OOM (no message) when the device, the limit or the host has no room;
+ * with *use_classic set when it is the process's address-space limit that leaves no room for
+ * a new range, so the caller maps a classic segment for the request instead. */
 vram_status_t vram__expandable_alloc(vram_pool_t *pool, int is_small, vram_stream_t stream, uint64_t rounded,
-                                     uint64_t context, int is_retry, vram__block_t **out);
+                                     uint64_t context, int is_retry, int *use_classic, vram__block_t **out);
 /* Bytes of mapped pages that are not resident (host pools): the kernel has not counted them
  * yet, so the host check must (all mapped pages, free ones too: a conservative figure). */
 uint64_t vram__expandable_unfaulted(vram_pool_t *pool);

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "../util/address_space.h"
 #include "../util/error.h"
 
 static _Thread_local vram_oom_info_t last_oom;
@@ -50,6 +51,38 @@ static void describe_host_refusal(const vram_pool_t *pool, uint64_t segment_size
                  "VRAMKIT_ALLOC_CONF=host_memory_check:False to map it regardless.", reserve);
 }
 
+/* Address space that expandable ranges hold without memory behind it: under RLIMIT_AS it is
+ * part of what the limit counts, and unlike live arrays the user can give it back. */
+static uint64_t unmapped_range_bytes(const vram_pool_t *pool) {
+    uint64_t bytes = 0;
+    for (const vram__segment_t *seg = pool->segments; seg; seg = seg->next)
+        if (seg->expandable) bytes += seg->size - seg->mapped;
+    return bytes;
+}
+
+/* Why RLIMIT_AS refused: the limit, what the process maps, what vramkit's ranges hold. */
+static void describe_address_limit(const vram_pool_t *pool, const vram__as_refusal_t *r, char *out, size_t len) {
+    char size[32], limit[32], used[32], held[32];
+    vram_format_size(r->size, size, sizeof size);
+    vram_format_size(r->limit, limit, sizeof limit);
+    vram_format_size(r->used, used, sizeof used);
+    int n = snprintf(out, len,
+                     "vramkit could not map %s because of the address-space limit RLIMIT_AS (ulimit -v) of %s, of "
+                     "which %s is in use by this process (every mapping counts, memory or not)", size, limit, used);
+    uint64_t unmapped = unmapped_range_bytes(pool);
+    if (unmapped && n > 0 && (size_t)n < len) {
+        vram_format_size(unmapped, held, sizeof held);
+        n += snprintf(out + n, len - (size_t)n, ", %s of it reserved by vramkit's expandable segments and not mapped",
+                      held);
+    }
+    if (n > 0 && (size_t)n < len)
+        snprintf(out + n, len - (size_t)n,
+                 ". Raise the limit (ulimit -v, or resource.setrlimit(resource.RLIMIT_AS, ...)), free memory you no "
+                 "longer need%s.",
+                 pool->settings.expandable_segments ? ", or turn expandable_segments off (its ranges take address "
+                                                      "space before they take memory)" : "");
+}
+
 vram_status_t vram__report_oom(vram_pool_t *pool, uint64_t requested, uint64_t segment_size, vram_stream_t stream,
                                uint64_t context) {
     uint64_t device_free = 0, device_total = pool->total_capacity;
@@ -58,6 +91,14 @@ vram_status_t vram__report_oom(vram_pool_t *pool, uint64_t requested, uint64_t s
     if (host_refused) { /* the figures the check decided on */
         device_free = pool->host.room;
         device_total = pool->host.reading.total;
+    }
+    /* The backend's note of the last attempt (taking it clears it). What this process may
+     * still map is then bounded by the limit, whatever the host has free. */
+    vram__as_refusal_t as;
+    int as_refused = vram__as_refusal_take(&as);
+    if (as_refused && !host_refused) {
+        uint64_t room = as.limit > as.used ? as.limit - as.used : 0;
+        if (room < device_free) device_free = room;
     }
     uint64_t allocated = (uint64_t)pool->stats.allocated_bytes[VRAM_STAT_ALL].current;
     uint64_t reserved = (uint64_t)pool->stats.reserved_bytes[VRAM_STAT_ALL].current;
@@ -108,6 +149,7 @@ vram_status_t vram__report_oom(vram_pool_t *pool, uint64_t requested, uint64_t s
                  pool->settings.expandable_page_size > VRAM__PAGE_UNIT
                      ? " (VRAMKIT_ALLOC_CONF=expandable_page_mb:2 maps large-pool pages of 2 MiB)" : "");
     if (host_refused) describe_host_refusal(pool, pool->host.refused_size, advice, sizeof advice);
+    else if (as_refused) describe_address_limit(pool, &as, advice, sizeof advice);
     return vram__fail(VRAM_ERR_OOM,
                       "%s out of memory. Tried to allocate %s. %s has a total capacity of %s of which %s is free. "
                       "%sOf the allocated memory %s is allocated by vramkit, and %s is reserved by vramkit but "

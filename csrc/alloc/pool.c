@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../util/address_space.h"
 #include "../util/error.h"
 
 vram_status_t vram_pool_create(const vram_backend_t *backend, void *backend_ctx, vram_device_t device,
@@ -103,6 +104,7 @@ static vram_status_t alloc_segment(vram_pool_t *pool, int is_small, vram_stream_
                                    uint64_t context, int is_retry, vram__block_t **out) {
     if (is_retry) pool->stats.num_alloc_retries++;
     pool->host.rejected = 0; /* the OOM message describes the last attempt */
+    vram__as_refusal_clear();
     uint64_t reserved = (uint64_t)pool->stats.reserved_bytes[VRAM_STAT_ALL].current;
     if (size > pool->settings.allowed_bytes || reserved > pool->settings.allowed_bytes - size)
         return VRAM_ERR_OOM; /* over the fraction or limit: the caller reports it */
@@ -149,12 +151,18 @@ static vram_status_t alloc_segment(vram_pool_t *pool, int is_small, vram_stream_
     return VRAM_OK;
 }
 
-/* Memory the cache does not have: a new segment, or with expandable segments new pages. */
+/* Memory the cache does not have: a new segment, or with expandable segments new pages. When
+ * the address-space limit leaves no room for a new range, the request gets a classic segment
+ * (its own size) in the expandable pool: every operation dispatches on the segment's layout,
+ * so the two coexist, and such segments follow the classic rules (released whole; the cache
+ * limit, garbage collector and oversize release apply to them). */
 static vram_status_t new_memory(vram_pool_t *pool, int is_small, vram_stream_t stream, uint64_t rounded,
                                 uint64_t seg_size, uint64_t context, int is_retry, vram__block_t **out) {
-    if (pool->settings.expandable_segments)
-        return vram__expandable_alloc(pool, is_small, stream, rounded, context, is_retry, out);
-    return alloc_segment(pool, is_small, stream, seg_size, context, is_retry, out);
+    if (!pool->settings.expandable_segments) return alloc_segment(pool, is_small, stream, seg_size, context, is_retry, out);
+    int use_classic = 0;
+    vram_status_t status = vram__expandable_alloc(pool, is_small, stream, rounded, context, is_retry, &use_classic, out);
+    if (status != VRAM_ERR_OOM || !use_classic) return status;
+    return alloc_segment(pool, is_small, stream, seg_size, context, 0, out); /* the retry is counted once */
 }
 
 /* The slow path, PyTorch's order: garbage-collect old cached blocks if over the threshold,

@@ -4,6 +4,7 @@
  * give back free pages instead (expandable.c); only empty_cache and the OOM ladder do. */
 #include "internal.h"
 
+#include <limits.h>
 #include <stdlib.h>
 
 #include "../util/error.h"
@@ -36,11 +37,42 @@ void vram__release_cached_blocks(vram_pool_t *pool, uint64_t context) {
     vram__expandable_release_all(pool, context);
 }
 
-static int caching_enabled = 1; /* process-wide, as torch's toggle is; read without the pool lock */
+/* Process-wide, as torch's toggle is, and read without a pool lock on every free: the user's
+ * flag, and how many caching_allocator_disabled() blocks are active on any thread. A block
+ * that saved and restored the flag would, with two threads (A enters, B enters, A exits, B
+ * exits), restore "off" last and leave caching off for good; a count cannot, and the flag
+ * stays the user's default, which applies again once the last block ends. */
+static int caching_flag = 1;
+static int disabled_blocks;
 
-void vram_set_caching_enabled(int enabled) { __atomic_store_n(&caching_enabled, enabled ? 1 : 0, __ATOMIC_RELAXED); }
+void vram_set_caching_enabled(int enabled) { __atomic_store_n(&caching_flag, enabled ? 1 : 0, __ATOMIC_RELAXED); }
 
-int vram_caching_enabled(void) { return __atomic_load_n(&caching_enabled, __ATOMIC_RELAXED); }
+int vram_caching_enabled(void) {
+    return __atomic_load_n(&caching_flag, __ATOMIC_RELAXED) && __atomic_load_n(&disabled_blocks, __ATOMIC_RELAXED) == 0;
+}
+
+int vram_caching_disabled_blocks(void) { return __atomic_load_n(&disabled_blocks, __ATOMIC_RELAXED); }
+
+/* Compare-and-swap loops, so neither an overflow nor an unmatched exit ever changes the count. */
+vram_status_t vram_caching_disable_enter(void) {
+    int n = __atomic_load_n(&disabled_blocks, __ATOMIC_RELAXED);
+    do {
+        if (n == INT_MAX)
+            return vram__fail(VRAM_ERR_INVALID_ARG, "%d caching-disabled blocks are already active: the most there can "
+                                                    "be at once", n);
+    } while (!__atomic_compare_exchange_n(&disabled_blocks, &n, n + 1, 1, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED));
+    return VRAM_OK;
+}
+
+vram_status_t vram_caching_disable_exit(void) {
+    int n = __atomic_load_n(&disabled_blocks, __ATOMIC_RELAXED);
+    do {
+        if (n == 0)
+            return vram__fail(VRAM_ERR_INVALID_ARG, "no caching-disabled block is active: each exit must match an "
+                                                    "earlier enter (caching_allocator_disabled() does both)");
+    } while (!__atomic_compare_exchange_n(&disabled_blocks, &n, n - 1, 1, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED));
+    return VRAM_OK;
+}
 
 vram_status_t vram_empty_cache(vram_pool_t *pool, uint64_t *released) {
     vram__lock(&pool->lock);

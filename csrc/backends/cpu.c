@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "host_streams.h"
+#include "../util/address_space.h"
 #include "../util/error.h"
 
 typedef struct cpu_ctx {
@@ -30,7 +31,10 @@ static vram_status_t cpu_segment_alloc(void *ctx, uint64_t size, vram_stream_t s
     /* Map 2 MiB more than needed and trim both ends to land on a 2 MiB boundary. */
     size_t span = (size_t)size + SEGMENT_ALIGN;
     void *p = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) return VRAM_ERR_OOM; /* the pool writes the OOM message */
+    if (p == MAP_FAILED) { /* the pool writes the OOM message, naming RLIMIT_AS if it refused */
+        if (errno == ENOMEM) vram__as_refusal_after_enomem(size, span);
+        return VRAM_ERR_OOM;
+    }
     uintptr_t raw = (uintptr_t)p, start = (raw + SEGMENT_ALIGN - 1) & ~(SEGMENT_ALIGN - 1);
     if (start > raw) munmap(p, start - raw);
     if (raw + span > start + size) munmap((void *)(start + size), raw + span - (start + size));
@@ -52,14 +56,21 @@ static vram_status_t cpu_range_reserve(void *ctx, uint64_t size, uintptr_t *out)
     if (size > SIZE_MAX - SEGMENT_ALIGN) return VRAM_ERR_OOM;
     size_t span = (size_t)size + SEGMENT_ALIGN;
     void *p = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED)
-        return vram__fail(VRAM_ERR_OOM, "could not reserve %llu bytes of address space: %s",
-                          (unsigned long long)size, strerror(errno));
+    if (p == MAP_FAILED) { /* the pool then tries a classic segment, and reports an OOM if that fails too */
+        if (errno == ENOMEM) vram__as_refusal_after_enomem(size, span);
+        return VRAM_ERR_OOM;
+    }
     uintptr_t raw = (uintptr_t)p, start = (raw + SEGMENT_ALIGN - 1) & ~(SEGMENT_ALIGN - 1);
     if (start > raw) munmap(p, start - raw);
     if (raw + span > start + size) munmap((void *)(start + size), raw + span - (start + size));
     *out = start;
     return VRAM_OK;
+}
+
+/* Ranges are address space of this process: expandable segments size them within RLIMIT_AS. */
+static void cpu_address_space(void *ctx, uint64_t *limit, uint64_t *used) {
+    (void)ctx;
+    vram__address_space(limit, used);
 }
 
 static vram_status_t cpu_range_map(void *ctx, uintptr_t addr, uint64_t size, uint64_t page) {
@@ -191,6 +202,7 @@ static const vram_backend_t cpu_backend = {
     .range_map = cpu_range_map,
     .range_unmap = cpu_range_unmap,
     .range_release = cpu_range_release,
+    .address_space = cpu_address_space,
 };
 
 const vram_backend_t *vram_backend_cpu(void) { return &cpu_backend; }

@@ -171,6 +171,11 @@ typedef struct vram_backend {
     vram_status_t (*range_map)(void *ctx, uintptr_t addr, uint64_t size, uint64_t page);
     vram_status_t (*range_unmap)(void *ctx, uintptr_t addr, uint64_t size, uint64_t page);
     void (*range_release)(void *ctx, uintptr_t addr, uint64_t size);
+    /* Backends whose ranges take this process's address space (cpu; NULL elsewhere): the soft
+     * RLIMIT_AS (`ulimit -v`; UINT64_MAX when unlimited) and the bytes of address space in
+     * use (VmSize). Expandable segments size each new range within what the limit leaves and
+     * give a request a classic segment when no range for it fits (expandable.c). */
+    void (*address_space)(void *ctx, uint64_t *limit, uint64_t *used);
 } vram_backend_t;
 
 /* The pool for a device, created on first use and kept for the life of the process (arrays
@@ -252,9 +257,18 @@ VRAM_API VRAM_NODISCARD vram_status_t vram_empty_cache(vram_pool_t *pool, uint64
 /* Caching on or off for every pool of the process (torch.cuda.memory.caching_allocator_enable).
  * Off, a free that leaves a segment wholly free gives it back to the device at once, as an
  * empty_cache after every free would (expandable segments unmap their free pages): the uncached
- * behaviour, for finding use-after-free bugs or measuring what a step really needs. On by default. */
+ * behaviour, for finding use-after-free bugs or measuring what a step really needs. On by default.
+ * Two process-wide switches decide it: the flag set here (the default), and a count of active
+ * "caching disabled" blocks (caching_allocator_disabled). vram_caching_enabled() is 1 when the
+ * flag is set and no block is active: blocks override the flag while any is active, whichever
+ * threads entered and left them in whatever order, and setting the flag inside a block takes
+ * effect when the last block ends. disable_exit without a matching enter is VRAM_ERR_INVALID_ARG
+ * (the count never goes negative); enter fails the same way only if 2^31 - 1 are active. */
 VRAM_API void vram_set_caching_enabled(int enabled);
 VRAM_API int vram_caching_enabled(void);
+VRAM_API VRAM_NODISCARD vram_status_t vram_caching_disable_enter(void);
+VRAM_API VRAM_NODISCARD vram_status_t vram_caching_disable_exit(void);
+VRAM_API int vram_caching_disabled_blocks(void); /* blocks active now, on all threads */
 VRAM_API VRAM_NODISCARD vram_status_t vram_mem_get_info(vram_pool_t *pool, uint64_t *free_bytes,
                                                         uint64_t *total_bytes);
 /* Cap reserved memory at fraction × total capacity (0 <= fraction <= 1; 1 removes the cap). */

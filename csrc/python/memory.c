@@ -204,6 +204,30 @@ static PyObject *caching_enabled(PyObject *self, PyObject *unused) {
     return PyBool_FromLong(vram_caching_enabled());
 }
 
+static PyObject *caching_disable_enter(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    vram_status_t status = vram_caching_disable_enter();
+    if (status != VRAM_OK) return PyErr_Format(PyExc_RuntimeError, "%s", vram_last_error());
+    Py_RETURN_NONE;
+}
+
+/* An exit without an enter is a misuse of the API, not bad data: RuntimeError, as Python's
+ * own lock.release() raises for an unlocked lock. */
+static PyObject *caching_disable_exit(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    vram_status_t status = vram_caching_disable_exit();
+    if (status != VRAM_OK) return PyErr_Format(PyExc_RuntimeError, "%s", vram_last_error());
+    Py_RETURN_NONE;
+}
+
+static PyObject *caching_disabled_blocks(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyLong_FromLong(vram_caching_disabled_blocks());
+}
+
 static PyObject *mem_get_info(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
     vram_pool_t *pool;
@@ -494,7 +518,14 @@ static PyMethodDef methods[] = {
      "zero the allocated/freed totals and the event counters"},
     {"set_caching_enabled", set_caching_enabled, METH_O,
      "set_caching_enabled(enabled) -> caching on or off for every pool (off: freed segments go back at once)"},
-    {"caching_enabled", caching_enabled, METH_NOARGS, "caching_enabled() -> whether pools keep freed memory cached"},
+    {"caching_enabled", caching_enabled, METH_NOARGS,
+     "caching_enabled() -> whether pools keep freed memory cached now (the flag, and no caching-disabled block active)"},
+    {"caching_disable_enter", caching_disable_enter, METH_NOARGS,
+     "caching_disable_enter()\n\nStart a caching-disabled block: caching is off while any block is active."},
+    {"caching_disable_exit", caching_disable_exit, METH_NOARGS,
+     "caching_disable_exit()\n\nEnd a caching-disabled block; RuntimeError if none is active."},
+    {"caching_disabled_blocks", caching_disabled_blocks, METH_NOARGS,
+     "caching_disabled_blocks() -> the number of caching-disabled blocks active, on all threads"},
     {"memory_summary", (PyCFunction)(void (*)(void))memory_summary, KW,
      "memory_summary(device=None, abbreviated=False) -> PyTorch's 75-column table"},
     {"history_enable", history_enable, METH_VARARGS, "history_enable(device, max_entries); 0 stops recording"},

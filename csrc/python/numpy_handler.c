@@ -17,7 +17,8 @@ static PyObject *handler_capsule; /* kept forever: arrays hold it too */
 
 /* NumPy turns a NULL from the handler into its own MemoryError ("Unable to allocate 16.0 GiB
  * for an array with shape ..."), which says nothing of why. Say it in a warning: which limit
- * bound (the cgroup's, MemAvailable, a vramkit limit) and what vramkit held. */
+ * bound (the cgroup's, MemAvailable, the address-space limit RLIMIT_AS, a vramkit limit) and
+ * what vramkit held; the pool's OOM message names it. */
 static void warn_oom(vram_status_t status) {
     if (status != VRAM_ERR_OOM) return;
     PyGILState_STATE gil = PyGILState_Ensure();

@@ -17,7 +17,8 @@ Old scripts and copied snippets call these; each behaves as torch's does, on any
   ``num_host_free`` the segments mapped and unmapped. vramkit does not time host allocations,
   so torch's ``host_alloc_time`` / ``host_free_time`` keys are absent;
 * ``caching_allocator_enable`` / ``caching_allocator_disabled`` — caching on or off for every
-  pool (off: freed segments go straight back to the device);
+  pool (off: freed segments go straight back to the device); the blocks are counted, so they
+  may nest and overlap across threads, and override the enable flag while any is active;
 * ``get_allocator_backend`` — ``"native"``: vramkit implements PyTorch's native caching
   policy (not ``cudaMallocAsync``).
 
@@ -123,19 +124,26 @@ def caching_allocator_enable(value: bool = True) -> None:
     empty_cache after every free; expandable segments unmap their free pages): slow, but what is
     reserved is then what is live, which helps to find what a step really needs, or a
     use-after-free that the cache would hide. What a pool cached before the switch goes back at
-    its next free (or empty_cache)."""
+    its next free (or empty_cache).
+
+    The value is the process's default: while any caching_allocator_disabled() block is active,
+    on any thread, caching stays off whatever it says; it applies again when the last block
+    ends (so enabling inside a block takes effect after the block)."""
     _C.set_caching_enabled(bool(value))
 
 
 @contextlib.contextmanager
 def caching_allocator_disabled() -> Iterator[None]:
-    """Context manager that turns caching off for its duration (see caching_allocator_enable)."""
-    previous = _C.caching_enabled()
-    caching_allocator_enable(False)
+    """Context manager that turns caching off for its duration (see caching_allocator_enable).
+
+    Blocks may nest and overlap, on one thread or many, entered and left in any order: caching
+    is off while at least one is active (a process-wide count, not a saved and restored flag),
+    and follows caching_allocator_enable() again once the last one has ended."""
+    _C.caching_disable_enter()
     try:
         yield
     finally:
-        caching_allocator_enable(previous)
+        _C.caching_disable_exit()
 
 
 def get_per_process_memory_fraction(device: DeviceLike = None) -> float:

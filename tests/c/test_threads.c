@@ -1,7 +1,8 @@
 /* test_threads.c — 4 threads × 50,000 alloc/free pairs on one cpu pool. Each thread keeps a
  * few blocks live, stamps them with its id and checks the stamp before freeing, so two threads
  * ever given overlapping memory would see each other's bytes. At the end the counters must be
- * exact: 200,000 allocations, all freed, and the pool's invariants intact. */
+ * exact: 200,000 allocations, all freed, and the pool's invariants intact. Then 8 threads
+ * entering and leaving caching-disabled blocks at once (the process-wide count). */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -80,7 +81,72 @@ static void test_four_threads_one_pool(void) {
     vram_pool_destroy(pool);
 }
 
+/* caching_allocator_disabled() from many threads at once: 8 threads enter and leave blocks
+ * (some nested) 20,000 times, allocating inside them on a shared sim pool. While a thread is
+ * inside a block caching must be off, whatever the others do; a free inside a block leaves
+ * nothing of its segment cached; after the last exit the count is 0 and caching on again.
+ * Under ThreadSanitizer this is also the check that the count and flag are race-free. */
+#define SWITCH_THREADS 8
+#define SWITCH_ROUNDS 20000
+
+typedef struct switcher {
+    vram_pool_t *pool;
+    int id;
+    long errors;
+} switcher_t;
+
+static void *toggle(void *arg) {
+    switcher_t *w = arg;
+    for (int i = 0; i < SWITCH_ROUNDS; i++) {
+        int depth = 1 + (i + w->id) % 2;
+        for (int d = 0; d < depth; d++) w->errors += vram_caching_disable_enter() != VRAM_OK;
+        w->errors += vram_caching_enabled() != 0 || vram_caching_disabled_blocks() < depth;
+        if (i % 64 == 0) {
+            void *p = NULL;
+            w->errors += vram_malloc(w->pool, 4 * MiB, (vram_stream_t)w->id, 0, &p) != VRAM_OK;
+            w->errors += vram_free(w->pool, p, 0) != VRAM_OK;
+        }
+        for (int d = 0; d < depth; d++) w->errors += vram_caching_disable_exit() != VRAM_OK;
+    }
+    return NULL;
+}
+
+static void test_caching_disabled_blocks_from_eight_threads(void) {
+    vram_pool_t *pool = make_sim_pool(GiB, NULL);
+    pthread_t threads[SWITCH_THREADS];
+    switcher_t workers[SWITCH_THREADS];
+    CHECK(vram_caching_enabled() == 1 && vram_caching_disabled_blocks() == 0);
+    for (int t = 0; t < SWITCH_THREADS; t++) {
+        workers[t] = (switcher_t){pool, t + 1, 0};
+        CHECK(pthread_create(&threads[t], NULL, toggle, &workers[t]) == 0);
+    }
+    for (int t = 0; t < SWITCH_THREADS; t++) {
+        pthread_join(threads[t], NULL);
+        CHECK(workers[t].errors == 0);
+    }
+    CHECK(vram_caching_disabled_blocks() == 0 && vram_caching_enabled() == 1);
+    /* An exit with no block active is an error and leaves the count at 0. */
+    CHECK_STATUS(vram_caching_disable_exit(), VRAM_ERR_INVALID_ARG);
+    CHECK_CONTAINS(vram_last_error(), "no caching-disabled block is active");
+    CHECK(vram_caching_disabled_blocks() == 0 && vram_caching_enabled() == 1);
+    /* The flag is the default the blocks override: off stays off after a block, and on set
+     * inside a block applies once the block ends. */
+    vram_set_caching_enabled(0);
+    CHECK_OK(vram_caching_disable_enter());
+    vram_set_caching_enabled(1);
+    CHECK(vram_caching_enabled() == 0);
+    CHECK_OK(vram_caching_disable_exit());
+    CHECK(vram_caching_enabled() == 1);
+    /* Every free happened inside a block: nothing may have stayed cached. */
+    vram_stats_t s = get_stats(pool);
+    CHECK(s.reserved_bytes[VRAM_STAT_ALL].current == 0 && s.num_device_alloc == s.num_device_free);
+    CHECK(s.allocation[VRAM_STAT_ALL].allocated == SWITCH_THREADS * ((SWITCH_ROUNDS + 63) / 64));
+    CHECK_POOL(pool);
+    vram_pool_destroy(pool);
+}
+
 int main(void) {
     RUN(test_four_threads_one_pool);
+    RUN(test_caching_disabled_blocks_from_eight_threads);
     return harness_finish();
 }

@@ -224,3 +224,51 @@ def test_exhausting_the_simulated_address_range_changes_nothing():
     vramkit.pool_check(huge)
     for p in (a, b, c):
         vramkit.raw_free(p)
+
+
+@pytest.mark.skipif(sys.platform != "linux" or vramkit.mem_get_info("cpu")[1] < 8 << 30,
+                    reason="needs Linux and a host of 8 GiB (the requests must fit its capacity; they are never touched)")
+def test_address_space_limit_is_named_in_the_oom_and_only_there():
+    """Under RLIMIT_AS (`ulimit -v`) the classic cpu pool's mmap fails with ENOMEM while the host
+    has memory free: the OutOfMemoryError names the limit, its value and what is in use, and
+    its `free` is what the limit leaves. The backend's note of that refusal is for that OOM
+    only: after a refusal that the OOM ladder then cured (releasing a cached segment made
+    room), an OOM with another cause says nothing of RLIMIT_AS."""
+    out = _python("""
+import resource, vramkit
+GiB, MiB = 1 << 30, 1 << 20
+def vm_size():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * resource.getpagesize()
+limit = (vm_size() // GiB + 4) * GiB  # 3 to 4 GiB left
+resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+try:
+    vramkit.raw_alloc(4 * GiB, "cpu")
+except vramkit.OutOfMemoryError as e:
+    assert e.free < 4 * GiB and e.requested == 4 * GiB, (e.free, e.requested)
+    print("REFUSED:", e)
+size = (limit - vm_size() - 512 * MiB) // (2 * MiB) * 2 * MiB  # 2.5 to 3.5 GiB
+cached = vramkit.raw_alloc(GiB, "cpu")
+vramkit.raw_free(cached)  # stays cached, its address space with it: less than `size` is left
+before = vramkit.memory_stats("cpu")
+p = vramkit.raw_alloc(size, "cpu")  # refused at first; fits once the ladder has released the cached segment
+after = vramkit.memory_stats("cpu")
+assert vramkit.memory_reserved("cpu") == size
+assert [after[k] - before[k] for k in ("num_alloc_retries", "num_device_free", "num_ooms")] == [1, 1, 0]
+vramkit.set_memory_limit(size + 256 * MiB, "cpu")
+try:
+    vramkit.raw_alloc(512 * MiB, "cpu")
+except vramkit.OutOfMemoryError as e:
+    print("OTHER:", e)
+vramkit.raw_free(p)
+vramkit.pool_check("cpu")
+print("BOUND=" + str(limit))
+""", VRAMKIT_ALLOC_CONF="host_memory_check:False")
+    assert out.returncode == 0, out.stdout + out.stderr
+    limit = int(out.stdout.split("BOUND=")[1])
+    refused = out.stdout.split("REFUSED: ")[1].splitlines()[0]
+    assert refused.startswith("CPU out of memory. Tried to allocate 4.00 GiB. Device cpu has a total capacity of ")
+    assert (f"vramkit could not map 4.00 GiB because of the address-space limit RLIMIT_AS (ulimit -v) of "
+            f"{limit / (1 << 30):.2f} GiB, of which ") in refused, refused
+    other = out.stdout.split("OTHER: ")[1].splitlines()[0]
+    assert " allowed; Of the allocated memory" in other and "RLIMIT_AS" not in other, other

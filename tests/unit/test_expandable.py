@@ -9,10 +9,13 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import subprocess
+import sys
 
 import pytest
 
 import vramkit
+from conftest import subprocess_env
 from vramkit import sites
 from vramkit import trace as vt
 
@@ -341,3 +344,70 @@ def test_replays_under_pressure_at_many_capacities(conf):
         else:
             assert p.oom is not None
     assert fitted > 0
+
+
+# A child Python under an address-space limit (`ulimit -v`): the limit is set after numpy and
+# vramkit are imported (they need address space too), rounded up to whole GiB plus `extra`.
+UNDER_ADDRESS_LIMIT = """
+import resource, sys
+import numpy as np
+import vramkit
+GiB, MiB = 1 << 30, 1 << 20
+def vm_size():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * resource.getpagesize()
+limit = (vm_size() // GiB + 1 + int(sys.argv[1])) * GiB
+resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+"""
+
+
+def run_under_address_limit(extra_gib: int, code: str, **env: str) -> str:
+    """Run `code` after UNDER_ADDRESS_LIMIT in a child; return its stdout (it must exit 0)."""
+    child = subprocess.run([sys.executable, "-c", UNDER_ADDRESS_LIMIT + code, str(extra_gib)], capture_output=True,
+                           text=True, env={**subprocess_env(), **env}, timeout=120)
+    assert child.returncode == 0, child.stdout + child.stderr
+    return child.stdout
+
+
+needs_address_limit = pytest.mark.skipif(
+    not os.path.exists("/proc/self/statm") or vramkit.mem_get_info("cpu")[1] < 8 << 30,
+    reason="needs Linux /proc and a host of 8 GiB (the requests must fit its capacity; they are never touched)")
+
+
+@needs_address_limit
+def test_cpu_ranges_fit_an_address_space_limit():
+    """Under RLIMIT_AS a range of 1 1/8 x the host's memory cannot be reserved, and every
+    request failed, even of one byte, with an OOM that blamed nothing. Ranges now take a share
+    of what the limit leaves (an eighth for the small pool, half for the large one); a request
+    no such range can hold gets a classic segment of its own size in the same pool; and what
+    passes the limit is an OOM that names it."""
+    out = run_under_address_limit(5, """
+vramkit.configure("cpu", expandable_segments=True, host_memory_check=False)  # nothing is touched
+tiny = vramkit.raw_alloc(1, "cpu")
+a = vramkit.raw_alloc(2 * GiB, "cpu")   # a large-pool range of more than 2 GiB: half of what is left
+assert vm_size() <= limit
+b = vramkit.raw_alloc(2 * GiB, "cpu")   # no range of 2 GiB fits in half of what is left now: a classic segment
+segments = {s["address"]: s for s in vramkit.memory_snapshot("cpu")["segments"]}
+assert segments[b]["is_expandable"] is False and segments[b]["total_size"] == 2 * GiB, segments[b]
+assert segments[a]["is_expandable"] is True and segments[tiny]["is_expandable"] is True
+vramkit.pool_check("cpu")
+try:
+    vramkit.raw_alloc(2 * GiB, "cpu")
+except vramkit.OutOfMemoryError as e:
+    print("OOM:", e)
+    assert e.free < 2 * GiB, e.free  # what the limit leaves, not the host's free memory
+vramkit.pool_check("cpu")
+for p in (b, a, tiny):
+    vramkit.raw_free(p)
+vramkit.empty_cache("cpu")
+assert vramkit.memory_reserved("cpu") == 0
+vramkit.configure("cpu", expandable_segments=False)
+print("LIMIT=" + str(limit))
+""")
+    limit = int(out.split("LIMIT=")[1])
+    oom = out.split("OOM: ")[1].splitlines()[0]
+    assert oom.startswith("CPU out of memory. Tried to allocate 2.00 GiB.")
+    assert (f"vramkit could not map 2.00 GiB because of the address-space limit RLIMIT_AS (ulimit -v) of "
+            f"{limit / (1 << 30):.2f} GiB, of which ") in oom
+    assert "reserved by vramkit's expandable segments and not mapped" in oom
+    assert oom.endswith("or turn expandable_segments off (its ranges take address space before they take memory).")

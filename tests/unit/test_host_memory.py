@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
 import sys
 import warnings
 
@@ -17,6 +18,7 @@ import pytest
 
 import vramkit
 import vramkit.numpy as vnp
+from conftest import subprocess_env
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "benchmarks"))
@@ -216,3 +218,60 @@ def test_numpy_user_is_told_why(cpu_defaults):
     assert any(t.startswith("vramkit could not allocate this NumPy array: CPU out of memory. Tried to allocate "
                             "200.00 MiB.") and "100.00 MiB allowed" in t for t in texts), texts
     vramkit.pool_check("cpu")
+
+
+# NumPy arrays in a child Python under an address-space limit (`ulimit -v`, common on shared
+# clusters) of whole GiB, set after the imports (they need address space too): the host has
+# memory free, mmap fails with ENOMEM all the same, and the warning must say which limit it was.
+NUMPY_UNDER_ADDRESS_LIMIT = """
+import resource, warnings
+import numpy as np
+import vramkit, vramkit.numpy as vnp
+GiB, MiB = 1 << 30, 1 << 20
+with open("/proc/self/statm") as f:
+    limit = (int(f.read().split()[0]) * resource.getpagesize() // GiB + 3) * GiB
+resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+vnp.install()
+def warning_for(nbytes):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            np.empty(nbytes, dtype=np.uint8)
+        except MemoryError:
+            pass
+        else:
+            raise AssertionError(f"{nbytes} bytes fit under the limit")
+    texts = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(texts) == 1, texts
+    return texts[0]
+kept = np.empty(GiB, dtype=np.uint8)                  # fits: the limit is not a cap on everything
+print("REFUSED:", warning_for(4 * GiB))
+vramkit.set_memory_limit(1536 * MiB, "cpu")          # an unrelated OOM next: the note must be gone
+print("OTHER:", warning_for(GiB))
+vramkit.pool_check("cpu")
+print("BOUND=" + str(limit))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm") or vramkit.mem_get_info("cpu")[1] < 8 << 30,
+                    reason="needs Linux /proc and a host of 8 GiB (the arrays must fit its capacity; they are "
+                           "never touched)")
+@pytest.mark.parametrize("conf", ["host_memory_check:False", "host_memory_check:False,expandable_segments:True"])
+def test_numpy_user_is_told_of_the_address_space_limit(conf):
+    """The README promises that the warning names the limit that refused; under RLIMIT_AS it
+    said only how much memory was free. It names RLIMIT_AS and its value now, with the classic
+    pool and with expandable segments, and a later OOM with another cause does not. (The host
+    check is off so that the figures do not depend on this machine's free memory.)"""
+    child = subprocess.run([sys.executable, "-c", NUMPY_UNDER_ADDRESS_LIMIT], capture_output=True, text=True,
+                           env={**subprocess_env(), "VRAMKIT_ALLOC_CONF": conf}, timeout=120)
+    assert child.returncode == 0, child.stdout + child.stderr
+    out = child.stdout
+    limit = int(out.split("BOUND=")[1])
+    refused = out.split("REFUSED: ")[1].splitlines()[0]
+    assert refused.startswith("vramkit could not allocate this NumPy array: CPU out of memory. Tried to allocate "
+                              "4.00 GiB."), refused
+    assert (f"vramkit could not map 4.00 GiB because of the address-space limit RLIMIT_AS (ulimit -v) of "
+            f"{limit / (1 << 30):.2f} GiB, of which ") in refused, refused
+    assert "Raise the limit (ulimit -v" in refused
+    other = out.split("OTHER: ")[1].splitlines()[0]
+    assert "1.50 GiB allowed" in other and "RLIMIT_AS" not in other, other

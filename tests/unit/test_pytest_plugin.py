@@ -97,6 +97,9 @@ NUMPY_TESTS = """
     @pytest.mark.vram_no_leak(runs=3)
     def test_clean():
         x = np.ones(1 << 18)
+
+    def teardown_module():
+        CACHE.clear(), MEMO.clear()  # what the leaks kept goes back to the pool the outer tests share
 """
 
 
@@ -244,6 +247,9 @@ UNITTEST_TESTS = """
     def test_each_run_had_its_own_setup():
         assert SETUPS.count("test_leaky") == 4 and SETUPS.count("test_clean") == 4
         assert SETUPS.count("test_fails_on_its_second_run") == 2   # the failure stops the runs
+
+    def teardown_module():
+        KEPT.clear()  # what the leak kept goes back to the pool the outer tests share
 """
 
 
@@ -287,6 +293,9 @@ NUMPY_WITHOUT_INSTALL = """
 
     def test_handler_is_only_installed_for_marked_tests():
         assert not vnp.is_installed()
+
+    def teardown_module():
+        KEPT.clear()  # what the leak kept goes back to the pool the outer tests share
 """
 
 
