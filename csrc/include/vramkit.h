@@ -543,6 +543,7 @@ VRAM_API VRAM_NODISCARD vram_status_t vram_trace_replay(const uint8_t *kind, con
 /* The rest of the public API, one header per area. */
 #include "vramkit_amp.h"
 #include "vramkit_checkpoint.h"
+#include "vramkit_files.h"
 #include "vramkit_nvml.h"
 #include "vramkit_torch.h"
 

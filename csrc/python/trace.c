@@ -1,7 +1,8 @@
 /* trace.c — _C.trace_replay: vram_trace_replay over NumPy columns (any object with the buffer
  * protocol), with the GIL released for the loop. Every column is checked here for dtype,
  * dimensions, contiguity, length and (for the outputs) writability, naming the argument, so
- * the C call sees only the trace's own rules. */
+ * the C call sees only the trace's own rules. Also _C.plain_pickle_problem, the check of a snapshot
+ * pickle read from a file before it is unpickled. */
 #include "module.h"
 
 #include <string.h>
@@ -206,7 +207,27 @@ static PyObject *trace_replay(PyObject *self, PyObject *args, PyObject *kwargs) 
     return dict;
 }
 
+/* _C.plain_pickle_problem(data): None when the bytes are a plain-data pickle
+ * (vram_plain_pickle_check), else (names_code, message). The walk runs without the GIL: a
+ * snapshot can be gigabytes. */
+static PyObject *plain_pickle_problem(PyObject *self, PyObject *arg) {
+    (void)self;
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) != 0) return NULL;
+    int names_code = 0;
+    vram_status_t status;
+    Py_BEGIN_ALLOW_THREADS
+    status = vram_plain_pickle_check(view.buf, (size_t)view.len, &names_code);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (status == VRAM_OK) Py_RETURN_NONE;
+    return Py_BuildValue("(Ns)", PyBool_FromLong(names_code), vram_last_error());
+}
+
 static PyMethodDef methods[] = {
+    {"plain_pickle_problem", plain_pickle_problem, METH_O,
+     "plain_pickle_problem(data) -> None or (names_code, message)\n\nWhy the bytes are not a pickle of plain "
+     "data that is safe to unpickle (see vram_plain_pickle_check in vramkit_files.h), or None."},
     {"trace_replay", (PyCFunction)(void (*)(void))trace_replay, METH_VARARGS | METH_KEYWORDS,
      "trace_replay(kind, id, size, stream, capacity, conf=None, reserved_out=None, allocated_out=None, "
      "addr_out=None) -> dict\n\nReplay an allocation trace (NumPy columns: kind uint8 0 alloc / 1 free / other "

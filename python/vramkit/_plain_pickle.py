@@ -2,16 +2,17 @@
 
 Memory snapshots (``torch.cuda.memory._dump_snapshot()``, ``vramkit.dump_snapshot()``) are
 pickles of plain data: dicts, lists, tuples, strings, bytes, numbers, ``None`` and booleans.
-Every one of those has its own pickle opcode from protocol 2 on. Running code from a pickle
-needs a callable on the unpickler's stack, and the only way to put one there is a class or
-function reference (the GLOBAL / STACK_GLOBAL / EXT opcodes), which the unpickler resolves
-through ``find_class``. This unpickler refuses every such reference, so nothing in the file can
-be called; persistent ids and out-of-band buffers are refused by the standard unpickler already
-(no ``persistent_load``, no ``buffers``).
+Every one of those has its own pickle opcode from protocol 2 on. Python's unpickler trusts its
+input twice over, so two checks run before and during the unpickling:
 
-The file is read whole (its size is the caller's to bound) and unpickled from memory, where
-CPython checks each opcode's length against the bytes that are left before it allocates, so
-a few bytes cannot ask for gigabytes.
+* ``vram_plain_pickle_check`` (C, csrc/util/plain_pickle.c) walks every opcode first. It refuses
+  any opcode that names, calls or builds an object (the way a pickle runs code) and any length
+  or memo index the data cannot back: CPython allocates a ``bytes`` of the length BINBYTES8
+  declares before reading it, and zero-fills a memo table twice as long as the largest PUT
+  index, so ten bytes could otherwise ask for an exabyte or write 32 GiB.
+* The unpickler below refuses every class or function reference in ``find_class``, the one
+  door through which a callable reaches the unpickler's stack: the second line, should the
+  first ever miss an opcode.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import io
 import pickle
 from typing import Any
+
+from . import _C
 
 __all__ = ["UnsafePickleError", "loads_plain"]
 
@@ -34,5 +37,10 @@ class _PlainDataUnpickler(pickle.Unpickler):
 
 
 def loads_plain(data: bytes) -> Any:
-    """Unpickle `data`, refusing any class or function reference (``UnsafePickleError``)."""
+    """Unpickle `data`: ``UnsafePickleError`` if it names any class or function,
+    ``pickle.UnpicklingError`` if it is malformed (with the opcode and byte offset)."""
+    problem = _C.plain_pickle_problem(data)
+    if problem is not None:
+        names_code, message = problem
+        raise (UnsafePickleError if names_code else pickle.UnpicklingError)(message)
     return _PlainDataUnpickler(io.BytesIO(data)).load()

@@ -3,7 +3,9 @@
 The oracle: reading a file (``vramkit.trace.load``) either succeeds or raises
 ``TraceFormatError``; a trace that loads then replays, renders its report and its timeline
 without any other exception; and ``vramkit replay FILE`` exits 0, 2 or 3 without a traceback.
-Anything else (TypeError, OverflowError, MemoryError, a crash) is a finding.
+Anything else (TypeError, OverflowError, MemoryError, a crash) is a finding, and so is a file
+that makes the process's peak resident memory grow by more than 512 MiB (a memory bomb that
+the reader survived by luck).
 
 Mutations, each drawn from a seeded ``random.Random``:
 
@@ -13,8 +15,9 @@ Mutations, each drawn from a seeded ``random.Random``:
   changed (ids, kinds, sizes, step and phase markers, table indexes) with the CRC fixed up, so
   the mutation reaches the column checks and the replay instead of stopping at the CRC.
 * snapshots: a random node of the dict replaced by a value of another type, deleted or
-  duplicated, then pickled as torch does; bytes of the pickle flipped or cut; a class reference
-  spliced in (which must be refused).
+  duplicated, then pickled (protocols 2 to 5); bytes of the pickle flipped, cut, or overwritten
+  with a huge length, count or memo index; a class reference spliced in (which must be
+  refused).
 
 Run more cases than CI does with ``VRAMKIT_FUZZ_CASES=200000 python -m pytest
 tests/stress/test_fuzz_files.py`` or ``python tests/stress/fuzz_files.py 200000``.
@@ -28,6 +31,7 @@ import json
 import os
 import pickle
 import random
+import resource
 import sys
 import tempfile
 import zlib
@@ -186,7 +190,7 @@ def _join_trace(header: dict[str, Any], payload: bytes, fix_crc: bool = True) ->
 def mutate_bytes(data: bytes, rng: random.Random) -> bytes:
     b = bytearray(data)
     for _ in range(rng.randrange(1, 4)):
-        op = rng.randrange(5)
+        op = rng.randrange(6)
         pos = rng.randrange(len(b) + 1) if b else 0
         if op == 0 and b:
             b[min(pos, len(b) - 1)] ^= 1 << rng.randrange(8)
@@ -196,6 +200,11 @@ def mutate_bytes(data: bytes, rng: random.Random) -> bytes:
             b[pos:pos] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 9)))
         elif op == 3 and b:
             del b[pos:pos + rng.randrange(1, 9)]
+        elif op == 4:
+            # a length, count or memo index gone huge: 4 or 8 bytes of an interesting integer
+            width = rng.choice([4, 8])
+            value = rng.choice([2**31, 2**32 - 1, 2**40, 2**62, 2**64 - 1]) % (1 << (8 * width))
+            b[pos:pos + width] = value.to_bytes(width, "little")
         else:
             del b[pos:]
     return bytes(b)
@@ -231,10 +240,11 @@ class _Evil:
 
 def mutate_snapshot(snap: dict[str, Any], rng: random.Random) -> bytes:
     r = rng.randrange(10)
+    protocol = rng.choice([2, 3, 4, 5])  # torch and vramkit write 4 or 5; older writers 2 or 3
     if r < 6:
-        return pickle.dumps(mutate_tree(snap, rng, random_json))
+        return pickle.dumps(mutate_tree(snap, rng, random_json), protocol=protocol)
     if r < 9:
-        return mutate_bytes(pickle.dumps(snap), rng)
+        return mutate_bytes(pickle.dumps(snap, protocol=protocol), rng)
     return pickle.dumps(mutate_tree(snap, rng, lambda _: _Evil()))
 
 
@@ -291,6 +301,7 @@ def run(cases: int, seed: int = 0, cli_every: int = 10) -> dict[str, int]:
         snaps = seed_snapshots()
         counts = {"loaded": 0, "refused": 0}
         html = os.path.join(tmp, "out.html")
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         for case in range(cases):
             if case % 2 == 0:
                 data, name = mutate_trace(rng.choice(traces), rng), "case.vktrace"
@@ -303,6 +314,9 @@ def run(cases: int, seed: int = 0, cli_every: int = 10) -> dict[str, int]:
                 f.write(data)
             try:
                 counts[check_file(path, html, run_cli=case % cli_every == 0)] += 1
+                now_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                if now_kib - peak_kib > 512 * 1024:
+                    raise Finding(f"peak resident memory grew by {(now_kib - peak_kib) >> 10} MiB reading one file")
             except Finding as exc:
                 kept = os.path.join(tempfile.gettempdir(), f"vramkit-fuzz-seed{seed}-case{case}-{name}")
                 with open(kept, "wb") as f:
