@@ -26,7 +26,7 @@ import time
 from typing import Any, Callable
 
 from .cli import _non_negative_int, _positive_int
-from ._trace_format import describe_value
+from ._trace_format import MAGIC, describe_value
 
 __all__ = ["add_commands", "cmd_fit", "cmd_replay"]
 
@@ -284,7 +284,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     try:
         if ns.device is not None:
             with open(ns.trace, "rb") as f:
-                is_vktrace = f.read(8) == b"VKTRACE\0"
+                is_vktrace = f.read(len(MAGIC)) == MAGIC
             if is_vktrace:
                 _error("replay", f"--device picks one device of a snapshot pickle; {ns.trace!r} is a .vktrace file, "
                                  "which holds one device's trace: leave --device out")

@@ -181,6 +181,8 @@ def test_vram_sim_fixture(run):
     ("vram_limit('24 GB')", "ambiguous"),
     ("vram_limit('1 MiB', device='nowhere')", "bad device 'nowhere'"),
     ("vram_no_leak(runs=1)", "runs must be an integer >= 2"),
+    ("vram_limit('1 MiB', numpy='yes')", "numpy must be True or False, got 'yes'"),
+    ("vram_no_leak(numpy=None)", "numpy must be True or False, got None"),
 ])
 def test_bad_markers_are_usage_errors(run, marker, message):
     result = run(f"""
@@ -329,19 +331,3 @@ def test_a_handler_installed_by_the_test_stays_installed(run):
             assert vnp.is_installed()
     """)
     result.assert_outcomes(passed=1)
-
-
-@pytest.mark.parametrize("marker, message", [
-    ("vram_limit('1 MiB', numpy='yes')", "numpy must be True or False, got 'yes'"),
-    ("vram_no_leak(numpy=None)", "numpy must be True or False, got None"),
-])
-def test_bad_numpy_option_is_a_usage_error(run, marker, message):
-    result = run(f"""
-        import pytest
-
-        @pytest.mark.{marker}
-        def test_x():
-            pass
-    """)
-    assert result.ret != 0
-    assert message in result.stdout.str() + result.stderr.str()
