@@ -23,7 +23,7 @@ use_source_tree()
 
 import torch  # noqa: E402
 
-from vramkit._run_torch import _make_recorder  # noqa: E402
+from vramkit.commands.run_torch import _make_recorder  # noqa: E402
 from vramkit.torch import LiveMeter, _MeterMode  # noqa: E402
 
 

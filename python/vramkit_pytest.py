@@ -1,7 +1,7 @@
 """The pytest plugin of vramkit, loaded by pytest through the ``pytest11`` entry point "vramkit".
 
 It registers the markers ``vram_limit``, ``vram_no_leak`` and ``vram_sim`` and the fixture
-``vram_sim``; the work is in ``vramkit.pytest_plugin`` (see its docstring), imported only when a
+``vram_sim``; the work is in ``vramkit.survive.pytest_plugin`` (see its docstring), imported only when a
 marked test runs or the fixture is used, so that loading the plugin does not import vramkit.
 """
 
@@ -46,7 +46,7 @@ def pytest_pyfunc_call(pyfuncitem: Any) -> Any:
     if inspect.iscoroutinefunction(pyfuncitem.obj) or inspect.isasyncgenfunction(pyfuncitem.obj):
         raise pytest.UsageError(f"{pyfuncitem.nodeid}: vram_limit / vram_no_leak cannot measure an async test "
                                 "(its body runs in the event loop of an async plugin, not in this call)")
-    from vramkit.pytest_plugin import run_marked
+    from vramkit.survive.pytest_plugin import run_marked
 
     return run_marked(pyfuncitem)
 
@@ -58,7 +58,7 @@ def pytest_runtest_call(item: Any) -> Any:
     if not _marked(item) or _runs_through_pyfunc_call(item):
         yield
         return
-    from vramkit.pytest_plugin import run_marked
+    from vramkit.survive.pytest_plugin import run_marked
 
     original = item.runtest
     item.runtest = lambda: run_marked(item, original)
@@ -71,6 +71,6 @@ def pytest_runtest_call(item: Any) -> Any:
 @pytest.fixture
 def vram_sim(request: Any) -> str:
     """A fresh simulated device ("sim:N") for this test: 8 GiB, or @pytest.mark.vram_sim("24 GiB")."""
-    from vramkit.pytest_plugin import make_sim
+    from vramkit.survive.pytest_plugin import make_sim
 
     return make_sim(request)

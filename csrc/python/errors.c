@@ -1,5 +1,5 @@
 /* errors.c — map vram_status_t to Python exceptions. The exception classes are defined in
- * python/vramkit/_errors.py (so they can carry attributes and pickle) and registered here. */
+ * python/vramkit/_core/errors.py (so they can carry attributes and pickle) and registered here. */
 #include "module.h"
 
 static PyObject *vramkit_error;      /* vramkit.VramkitError */
@@ -69,7 +69,7 @@ static PyObject *register_exceptions(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"_register_exceptions", register_exceptions, METH_VARARGS,
-     "Tell the C module which classes to raise (called once by vramkit._errors)."},
+     "Tell the C module which classes to raise (called once by vramkit._core.errors)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -9,12 +9,13 @@ fused loss-scaling kernels with a GradScaler for NumPy, torch and CuPy (vramkit.
 from __future__ import annotations
 
 import os as _os
+import types as _types
 
 from . import _C
-from ._devices import current_device, device_count, is_available, set_device
-from ._errors import OutOfMemoryError, VramkitError
-from .cache import CacheReport, clear_cache
-from .memory import (
+from ._core.devices import current_device, device_count, is_available, set_device
+from ._core.errors import OutOfMemoryError, VramkitError
+from .memory.cache import CacheReport, clear_cache
+from .memory.api import (
     Buffer,
     configure,
     dump_snapshot,
@@ -41,7 +42,7 @@ from .memory import (
     set_per_process_memory_fraction,
     synchronize,
 )
-from .memory_compat import (
+from .memory.compat import (
     caching_allocator_alloc,
     caching_allocator_delete,
     caching_allocator_disabled,
@@ -58,10 +59,10 @@ from .memory_compat import (
     reset_max_memory_cached,
     reset_peak_host_memory_stats,
 )
-from .mempool import MemPool, use_mem_pool
-from .smi import list_gpu_processes
+from .memory.mempool import MemPool, use_mem_pool
+from .survive.smi import list_gpu_processes
 from . import amp, sim, survive
-from .leaks import watch_leaks
+from .survive.leaks import watch_leaks
 
 __version__ = _C.__version__
 
@@ -78,7 +79,7 @@ __all__ = [
     "memory_summary", "pool_check", "raw_alloc", "raw_free", "record_memory_history", "record_stream",
     "reset_accumulated_memory_stats", "reset_peak_memory_stats", "set_device", "set_memory_limit", "amp",
     "set_per_process_memory_fraction", "sim", "survive", "synchronize", "watch_leaks",
-    # torch.cuda.memory's other names (memory_compat.py, smi.py)
+    # torch.cuda.memory's other names (memory/compat.py, survive/smi.py)
     "caching_allocator_alloc", "caching_allocator_delete", "caching_allocator_disabled", "caching_allocator_enable",
     "get_allocator_backend", "get_per_process_memory_fraction",
     "host_memory_stats", "host_memory_stats_as_nested_dict", "list_gpu_processes", "max_memory_cached",
@@ -88,7 +89,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> _types.ModuleType:
     # vramkit.numpy imports NumPy's handler machinery only when first used.
     if name == "numpy":
         import importlib

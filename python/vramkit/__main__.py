@@ -1,5 +1,5 @@
-"""`python -m vramkit`: the vramkit command line (see vramkit.cli)."""
+"""`python -m vramkit`: the vramkit command line (see vramkit.commands)."""
 
-from .cli import main
+from .commands.main import main
 
 raise SystemExit(main())

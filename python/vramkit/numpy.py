@@ -25,13 +25,13 @@ HANDLER_NAME = "vramkit_cpu_pool"
 _previous: list[Any] = []  # handlers replaced by install(), most recent last
 
 
-def _handler_name(array: Any = None) -> str:
+def _handler_name(array: Any = None) -> str | None:
     import numpy as np
 
     try:
         from numpy._core.multiarray import get_handler_name
     except ImportError:  # NumPy < 2
-        from numpy.core.multiarray import get_handler_name
+        from numpy.core.multiarray import get_handler_name  # type: ignore[no-redef]  # same function, old home
     return get_handler_name(array) if array is not None else get_handler_name()
 
 

@@ -84,7 +84,8 @@ def test_replay_bad_input(tmp_path, args, message):
 def test_replay_that_cannot_write_its_timeline_says_so_and_exits_2(tmp_path, monkeypatch):
     """A write that fails late (disk full) after the checks passed: "vramkit replay: error",
     exit 2, and no partial page."""
-    from vramkit import cli, timeline
+    from vramkit.commands import main as cli
+    from vramkit.report import timeline
 
     path = saved_trace(tmp_path)
 

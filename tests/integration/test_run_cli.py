@@ -161,10 +161,11 @@ def test_in_process_run_reports_other_devices_only_when_used(tmp_path, monkeypat
     """main() in this process, with two extra devices standing in for GPUs: one used, one idle."""
     import vramkit
     import vramkit.numpy
-    from vramkit import cli
+    from vramkit.commands import main as cli
+    from vramkit.commands import run as run_command
 
     used, idle = vramkit.sim.create(1 << 30), vramkit.sim.create(1 << 30)
-    monkeypatch.setattr(cli, "_devices", lambda: ["cpu", used, idle])
+    monkeypatch.setattr(run_command, "_devices", lambda: ["cpu", used, idle])
     script = tmp_path / "gpu_like.py"
     script.write_text(textwrap.dedent("""
         import sys

@@ -198,7 +198,7 @@ def fake_cuda(monkeypatch):
 
 
 def run_in_process(tmp_path, monkeypatch, body: str, *args: str) -> tuple[int, str]:
-    from vramkit import cli
+    from vramkit.commands import main as cli
 
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(body))

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "unit"))  # torch_snapsho
 
 import vramkit  # noqa: E402
 from vramkit import trace as vt  # noqa: E402
-from vramkit._trace_format import MAGIC  # noqa: E402
+from vramkit.trace.file_format import MAGIC  # noqa: E402
 
 import torch_snapshots as ts  # noqa: E402
 
@@ -266,8 +266,8 @@ def check_file(path: str, html: str, run_cli: bool) -> str:
     else:
         outcome = "loaded"
         try:
-            from vramkit._trace_report import prediction_snapshot
-            from vramkit.timeline import write_html
+            from vramkit.trace.as_snapshot import prediction_snapshot
+            from vramkit.report.timeline import write_html
 
             pred = vt.replay(t, "1GiB", overheads=vt.NO_OVERHEADS, curves=True)
             pred.table()
@@ -275,7 +275,7 @@ def check_file(path: str, html: str, run_cli: bool) -> str:
         except BaseException as exc:  # noqa: BLE001
             raise Finding(f"a trace that loaded then failed: {type(exc).__name__}: {exc}") from exc
     if run_cli:
-        from vramkit.cli import main
+        from vramkit.commands.main import main
 
         out, err = io.StringIO(), io.StringIO()
         try:

@@ -21,8 +21,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from vramkit import amp  # noqa: E402
-from vramkit import _amp_state  # noqa: E402
-from vramkit import _arrays  # noqa: E402
+from vramkit.amp import state as _amp_state  # noqa: E402
+from vramkit.amp import arrays as _arrays  # noqa: E402
 
 
 def scalers(**kw):
@@ -258,7 +258,7 @@ def test_grads_on_two_devices_keep_found_inf_per_device(monkeypatch):
         return r._replace(device="cuda:7") if r.ptr in second else r
 
     monkeypatch.setattr(_arrays, "describe", describe)
-    import vramkit.amp as amp_mod
+    import vramkit.amp.loss_scaling as amp_mod  # where GradScaler looks these up
     real_scalars = amp_mod.scalars_for
     monkeypatch.setattr(amp_mod, "scalars_for",
                         lambda dev, fam: FakeDeviceScalars(dev) if dev == "cuda:7" else real_scalars(dev, fam))

@@ -18,6 +18,7 @@ import warnings
 import numpy as np
 import pytest
 from vramkit import amp
+from vramkit.amp import loss_scaling as amp_impl  # its private helpers
 
 FLT_MAX = float(np.finfo(np.float32).max)
 FIX = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
@@ -895,7 +896,7 @@ class FakeCudaArray:
         return {"shape": (4,), "typestr": "<f4", "data": (0x10000, False), "version": 3}
 
 
-no_gpu_scalars = pytest.mark.skipif(amp._cuda_usable() or importlib.util.find_spec("cupy") is not None,
+no_gpu_scalars = pytest.mark.skipif(amp_impl._cuda_usable() or importlib.util.find_spec("cupy") is not None,
                                     reason="CUDA (or CuPy) is usable here")
 
 

@@ -16,7 +16,7 @@ import pytest
 
 import vramkit
 from conftest import subprocess_env
-from vramkit import sites
+from vramkit.report import sites
 from vramkit import trace as vt
 
 MiB = 1 << 20
@@ -276,7 +276,7 @@ def test_fit_suggests_expandable_segments_for_fragmentation():
     a 30 MiB request, then 80 MiB are asked for. Under the classic policy the 70 MiB left in
     the split segment cannot serve it (180 MiB reserved on a 150 MiB device); with expandable
     segments the free 70 MiB grow by one 20 MiB page."""
-    from vramkit._trace_fit import Probe, _suggest
+    from vramkit.trace.fit_search import Probe, _suggest
 
     kind = [0, 1, 0, 0]
     ids = [0, 0, 1, 2]

@@ -258,7 +258,7 @@ print("BOUND=" + str(limit))
                            "never touched)")
 @pytest.mark.parametrize("conf", ["host_memory_check:False", "host_memory_check:False,expandable_segments:True"])
 def test_numpy_user_is_told_of_the_address_space_limit(conf):
-    """The README promises that the warning names the limit that refused; under RLIMIT_AS it
+    """docs/guide/host-memory.md promises that the warning names the limit that refused; under RLIMIT_AS it
     said only how much memory was free. It names RLIMIT_AS and its value now, with the classic
     pool and with expandable segments, and a later OOM with another cause does not. (The host
     check is off so that the figures do not depend on this machine's free memory.)"""

@@ -149,7 +149,7 @@ def test_numpy_arrays_in_a_cpu_pool():
 
 
 def test_history_and_snapshot_are_the_pools(dev):
-    from vramkit.sites import allocation_sites
+    from vramkit.report.sites import allocation_sites
 
     pool = vramkit.MemPool(device=dev)
     vramkit.record_memory_history(True, device=pool.device)
@@ -171,7 +171,7 @@ def test_history_and_snapshot_are_the_pools(dev):
 def test_torch_hooks_allocate_from_the_pool_in_use():
     """vramkit as torch's allocator (hooks routed to a simulated device): tensors made inside
     use_mem_pool come from the pool, and torch's frees find it."""
-    from vramkit import _torch_allocator as ta
+    from vramkit.torch import allocator as ta
 
     lib = ta.hooks()
     dev = vramkit.sim.create(256 * MiB)

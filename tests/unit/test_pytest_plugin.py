@@ -1,4 +1,4 @@
-"""vramkit's pytest plugin (vramkit_pytest, vramkit/pytest_plugin.py), run through pytest's own
+"""vramkit's pytest plugin (vramkit_pytest, vramkit/survive/pytest_plugin.py), run through pytest's own
 pytester: passing and failing tests, and the failure messages."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ except ImportError:
     pass
 import vramkit  # noqa: E402
 import vramkit.numpy  # noqa: E402,F401  (likewise: the inner runs use them; keep one copy)
-import vramkit.pytest_plugin  # noqa: E402,F401
-import vramkit.sites  # noqa: E402,F401
+import vramkit.survive.pytest_plugin  # noqa: E402,F401
+import vramkit.report.sites  # noqa: E402,F401
 
 
 def plugin_under_test(pytestconfig) -> tuple[list[str], list]:

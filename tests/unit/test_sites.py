@@ -2,7 +2,7 @@
 
 Every expected number is worked out here from the operations the test performs (sizes are
 multiples of 512 B, so no rounding is involved), or read from the allocator's own counters,
-never from vramkit.sites itself.
+never from vramkit.report.sites itself.
 
 Memory is taken as Buffers (vramkit.empty), freed on their own device when dropped. raw_free()
 would do as well within one device, but it takes only an address and every sim device hands out
@@ -16,7 +16,7 @@ import inspect
 import pytest
 
 import vramkit
-from vramkit.sites import BEFORE_HISTORY, allocation_sites, device_trace, is_internal_frame, replay
+from vramkit.report.sites import BEFORE_HISTORY, allocation_sites, device_trace, is_internal_frame, replay
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -17,7 +17,8 @@ import time
 import pytest
 
 from conftest import subprocess_env
-from vramkit import _C, smi
+from vramkit import _C
+from vramkit.survive import smi
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAKE_SOURCE = os.path.join(os.path.dirname(HERE), "c", "fake_nvml.c")

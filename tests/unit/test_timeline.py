@@ -9,8 +9,8 @@ import re
 import pytest
 
 import vramkit
-from vramkit.sites import device_trace
-from vramkit.timeline import MAX_POINTS, downsample, render_html
+from vramkit.report.sites import device_trace
+from vramkit.report.timeline import MAX_POINTS, downsample, render_html
 
 MiB = 1 << 20
 
@@ -102,7 +102,7 @@ def test_frame_text_is_escaped(recorded):
 def test_lone_surrogates_are_escaped_and_the_page_is_written(recorded, tmp_path):
     """A script path that is not UTF-8 reaches Python as lone surrogates (os.fsdecode): the page
     shows them escaped instead of raising UnicodeEncodeError after the report."""
-    from vramkit.timeline import write_html
+    from vramkit.report.timeline import write_html
 
     odd = "/data/caf\udce9/train.py"  # b"/data/caf\xe9/train.py" decoded by the filesystem encoding
     b, snapshot = allocated_from(recorded, odd, "step\ud800")
@@ -114,8 +114,8 @@ def test_lone_surrogates_are_escaped_and_the_page_is_written(recorded, tmp_path)
 
 
 def test_a_failed_write_leaves_no_partial_page(recorded, tmp_path, monkeypatch):
-    from vramkit import _files
-    from vramkit.timeline import write_html
+    from vramkit._core import files as _files
+    from vramkit.report.timeline import write_html
 
     b = vramkit.empty(MiB, device=recorded)
     snapshot = vramkit.memory_snapshot(recorded)

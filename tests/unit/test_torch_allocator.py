@@ -14,7 +14,7 @@ import ctypes
 import pytest
 
 import vramkit
-from vramkit import _torch_allocator as ta
+from vramkit.torch import allocator as ta
 
 MiB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""torch.autocast on meta captures (vramkit/_trace_autocast.py): the emulation with autocast's
+"""torch.autocast on meta captures (vramkit/trace/autocast_meta.py): the emulation with autocast's
 CPU op lists against the real torch.autocast("cpu") on a CPU run, and the CUDA lists'
 policies."""
 

@@ -1,4 +1,4 @@
-"""vramkit._trace_import.from_torch_snapshot: PyTorch memory snapshots to Traces.
+"""vramkit.trace.snapshot_import.from_torch_snapshot: PyTorch memory snapshots to Traces.
 
 Every snapshot here is written by hand (tests/unit/torch_snapshots.py lays out the format) the
 way PyTorch's CUDACachingAllocator.cpp would have recorded it: alloc/free entries carry the
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from vramkit import _C
-from vramkit._trace_format import ALLOC, CATEGORIES, FREE, Trace, TraceFormatError
-from vramkit._trace_import import from_torch_snapshot
+from vramkit.trace.file_format import ALLOC, CATEGORIES, FREE, Trace, TraceFormatError
+from vramkit.trace.snapshot_import import from_torch_snapshot
 
 from torch_snapshots import (MiB, alloc, frame, free, free_completed, free_requested, live, oom, pending, segment,
                              segment_alloc, segment_free, snapshot, snapshot_entry, write_pickle, block)
@@ -276,8 +276,8 @@ def test_recorded_figures_with_segment_entries():
 def test_attribution_skips_torch_vramkit_pseudo_files_and_cpp():
     stack = [frame("aten/src/ATen/native/cuda/Blas.cpp", 300, "at::native::addmm_out_cuda_impl"),
              TORCH,
-             frame("/home/u/.venv/lib/python3.11/site-packages/vramkit/torch.py", 88, "malloc"),
-             frame("/home/u/src/vramkit/python/vramkit/amp.py", 12, "scale"),
+             frame("/home/u/.venv/lib/python3.11/site-packages/vramkit/torch/meters.py", 88, "malloc"),
+             frame("/home/u/src/vramkit/python/vramkit/amp/loss_scaling.py", 12, "scale"),
              frame("<frozen runpy>", 198, "_run_module_as_main"),
              frame("<string>", 1, "<module>"),
              frame("/home/u/proj/model.py", 42, "forward"),  # the first of the user's frames

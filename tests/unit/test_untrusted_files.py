@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from vramkit import trace as vt
-from vramkit._trace_format import MAGIC
-from vramkit._trace_import import from_torch_snapshot
+from vramkit.trace.file_format import MAGIC
+from vramkit.trace.snapshot_import import from_torch_snapshot
 
 from torch_snapshots import MiB, alloc, frame, free, live, segment, snapshot, write_pickle, block
 
@@ -319,7 +319,7 @@ def test_the_check_accepts_every_plain_pickle(protocol):
     (bytes only from protocol 3 and sets from protocol 4: before that, pickle writes them
     through a global, which is refused)."""
     from vramkit import _C
-    from vramkit._plain_pickle import loads_plain
+    from vramkit._core.plain_pickle import loads_plain
 
     shared = ["frame", 1]
     obj = {"segments": [{"address": 2 ** 47 + 3, "blocks": [], "is_expandable": False, "ratio": -0.25},
@@ -337,7 +337,8 @@ def test_the_check_accepts_every_plain_pickle(protocol):
 
 def test_find_class_is_the_second_line(monkeypatch):
     """Should the opcode check ever miss a class reference, the unpickler still refuses it."""
-    from vramkit import _C, _plain_pickle
+    from vramkit import _C
+    from vramkit._core import plain_pickle as _plain_pickle
 
     monkeypatch.setattr(_C, "plain_pickle_problem", lambda data: None)
     with pytest.raises(_plain_pickle.UnsafePickleError, match=r"class reference \((posix|os)\.system\)"):

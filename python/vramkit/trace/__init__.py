@@ -1,0 +1,85 @@
+"""Predict: will a training step fit on a 24/40/80 GiB GPU?
+
+* ``capture(step_fn, *args, device="meta")`` records a PyTorch step's storage allocations and
+  frees (size, dtype, module path, op, phase) without a GPU; on ``meta`` nothing is allocated.
+* ``replay(trace, "24GiB")`` replays it on a simulated device with PyTorch's allocator policy
+  (the loop is C) and returns a ``Prediction``: peaks, the OOM and where, fragmentation, and
+  what was live at the peak by category and module.
+* ``fit(build, "24GiB", batch_size=...)`` finds the largest batch size that fits and what makes
+  a given one fit.
+* ``Trace.save`` / ``load`` read and write ``.vktrace`` files; ``load`` (and
+  ``from_torch_snapshot``) also read PyTorch's memory snapshot pickles, so a run recorded on a
+  real GPU replays here. Reading a file never runs code from it (plain data only).
+
+``capture`` and ``fit`` need torch; the rest needs only NumPy.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .file_format import ALLOC, CATEGORIES, FREE, MAGIC, PHASE, PHASES, STEP, Trace, TraceFormatError
+from .replay_sim import NO_OVERHEADS, GpuOverheads, Prediction, format_size, parse_size, peak_live_bytes, replay
+
+__all__ = [
+    "ALLOC", "CATEGORIES", "FREE", "GpuOverheads", "NO_OVERHEADS", "PHASE", "PHASES", "Prediction", "STEP", "Trace",
+    "TraceFormatError", "capture", "fit", "format_size", "from_torch_snapshot", "load", "parse_size",
+    "peak_live_bytes", "replay",
+]
+
+
+def load(path: str | os.PathLike[str]) -> Trace:
+    """Read a ``.vktrace`` file or a PyTorch memory snapshot pickle (``_dump_snapshot``), told
+    apart by their first bytes, never by their name.
+
+    Nothing in the file runs: a snapshot pickle is read as plain data, and one that names any
+    class or function (the way a pickle runs code) is refused; a file named ``*.vktrace`` is
+    read only as a ``.vktrace``, so a pickle renamed to look like one is refused too. Every
+    malformed file is a ``TraceFormatError`` saying what is wrong and where; a path that cannot
+    be read raises the OSError Python gives (FileNotFoundError, IsADirectoryError, ...)."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head == MAGIC:
+        return Trace.load(path)
+    if path.lower().endswith(".vktrace"):
+        kind = "a pickle" if head[:1] == b"\x80" else f"no .vktrace (it starts with {head!r})"
+        raise TraceFormatError(f"{path}: named .vktrace but holds {kind}; vramkit reads a .vktrace only as one "
+                               "(a snapshot pickle must not be named .vktrace)")
+    if head[:1] == b"\x80":  # a pickle, protocol 2 or later, as torch and vramkit write snapshots
+        return from_torch_snapshot(path)
+    raise TraceFormatError(f"{path}: neither a .vktrace file nor a snapshot pickle (it starts with {head!r})")
+
+
+def from_torch_snapshot(snapshot: Any, device: int | None = None) -> Trace:
+    """See ``vramkit.trace.snapshot_import.from_torch_snapshot``."""
+    from .snapshot_import import from_torch_snapshot as _import
+
+    return _import(snapshot, device)
+
+
+def capture(step_fn: Any, *args: Any, **kwargs: Any) -> Trace:
+    """See ``vramkit.trace.capture_step.capture`` (imports torch)."""
+    from .capture_step import capture as _capture
+
+    return _capture(step_fn, *args, **kwargs)
+
+
+def fit(build: Any, capacity: Any = "24GiB", **kwargs: Any) -> Any:
+    """See ``vramkit.trace.fit_search.fit`` (imports torch)."""
+    from .fit_search import fit as _fit
+
+    return _fit(build, capacity, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("CaptureError",):
+        from . import capture_step
+
+        return getattr(capture_step, name)
+    if name in ("FitReport", "Probe", "Suggestion"):
+        from . import fit_search
+
+        return getattr(fit_search, name)
+    raise AttributeError(f"module 'vramkit.trace' has no attribute {name!r}")

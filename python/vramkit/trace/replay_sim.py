@@ -1,0 +1,374 @@
+"""Replay a trace on a simulated GPU and say whether it fits (``vramkit.trace.replay``).
+
+The replay loop is C (``_C.trace_replay``): a private ``sim`` pool with vramkit's PyTorch
+policy, of the capacity asked for less the GPU memory that no CPU or meta trace can see. Those
+are explicit line items (``GpuOverheads``), never a hidden factor:
+
+* the CUDA context (driver, kernels, cuBLAS/cuDNN handles): outside PyTorch's allocator, so it
+  shrinks the memory the allocator can reserve. nvidia-smi shows it next to "reserved";
+  300-600 MiB is usual with lazy module loading (CUDA 11.7+), more without; default 512 MiB.
+* the cuBLAS workspace: allocated through PyTorch's caching allocator at the first matmul on a
+  stream, so it counts in ``memory_allocated``. PyTorch's default is 4096 KiB x 2 + 16 KiB x 8
+  (8.125 MiB), 32 MiB on Hopper (``CUBLAS_WORKSPACE_CONFIG`` overrides it); default 32 MiB.
+* cuDNN workspaces (convolutions; depend on the algorithm chosen at run time) and NCCL
+  buffers (distributed training): 0 unless given.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from .. import _C
+from .file_format import ALLOC, CATEGORIES, FREE, PHASES, STEP, Trace
+
+__all__ = ["GpuOverheads", "Prediction", "format_size", "parse_size", "replay"]
+
+MiB = 1 << 20
+GiB = 1 << 30
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+          "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_DECIMAL = {"kb", "mb", "gb", "tb"}
+
+
+def parse_size(value: Any, what: str = "capacity") -> int:
+    """Bytes from an int or a string such as "24GiB", "40 GiB", "512MiB", "80g" (binary units).
+
+    "24 GB" is refused: GPU makers' "24 GB" cards have 24 GiB (2^30-byte units) or a little
+    less, while GB means 10^9 bytes; say which you mean ("24GiB", or "24e9" for decimal bytes).
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be a size in bytes or a string like '24GiB', got {value!r}")
+    if isinstance(value, (int, np.integer)):
+        n = int(value)
+    elif isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"{what} must be a whole number of bytes, got {value!r}")
+        n = int(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?(?:[eE][0-9]+)?)\s*([A-Za-z]*)", text)
+        if not m:
+            raise ValueError(f"{what} {value!r} is not a size: write a number with a binary unit, e.g. '24GiB', "
+                             "'40 GiB', '512MiB' or a byte count")
+        unit = m.group(2).lower()
+        if unit in _DECIMAL:
+            raise ValueError(f"{what} {value!r} is ambiguous: GB means 10^9 bytes, but a '{m.group(1)} GB' GPU has "
+                             f"{m.group(1)} GiB (2^30-byte units) or slightly less; write '{m.group(1)}GiB', or "
+                             f"'{m.group(1)}e9' for decimal bytes")
+        if unit not in _UNITS:
+            raise ValueError(f"{what} {value!r} has an unknown unit {m.group(2)!r}: use B, KiB, MiB, GiB or TiB")
+        try:
+            n = int(float(m.group(1)) * _UNITS[unit])
+        except OverflowError:
+            raise ValueError(f"{what} {value!r} is too large (at most 4 EiB)") from None
+    else:
+        raise TypeError(f"{what} must be a size in bytes or a string like '24GiB', got {type(value).__name__}")
+    if n <= 0 or n >= 1 << 62:
+        raise ValueError(f"{what} must be between 1 byte and 4 EiB, got {n}")
+    return n
+
+
+def format_size(n: float) -> str:
+    n = float(n)
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass(frozen=True)
+class GpuOverheads:
+    """GPU memory a CPU or meta trace cannot see (see the module docstring for the figures).
+
+    ``cuda_context`` and ``nccl`` are outside PyTorch's allocator: they reduce the capacity
+    the replay may reserve. ``cublas_workspace`` and ``cudnn_workspace`` come from the
+    allocator: they are allocations added at the start of the first step.
+    """
+
+    cuda_context: int = 512 * MiB
+    cublas_workspace: int = 32 * MiB
+    cudnn_workspace: int = 0
+    nccl: int = 0
+
+    def items(self) -> list[tuple[str, int, str]]:
+        """(name, bytes, where) for each non-zero item; where is "outside" or "allocator"."""
+        out = []
+        for name, where in (("cuda_context", "outside"), ("nccl", "outside"), ("cublas_workspace", "allocator"),
+                            ("cudnn_workspace", "allocator")):
+            value = int(getattr(self, name))
+            if value < 0:
+                raise ValueError(f"GpuOverheads.{name} must be >= 0 bytes, got {value}")
+            if value:
+                out.append((name, value, where))
+        return out
+
+    @property
+    def outside(self) -> int:
+        return sum(b for _, b, where in self.items() if where == "outside")
+
+
+NO_OVERHEADS = GpuOverheads(0, 0, 0, 0)
+
+
+@dataclass
+class Prediction:
+    """What a replay found. Sizes in bytes; ``allocated`` counts blocks as PyTorch's
+    ``memory_allocated`` does (rounded up to 512 B)."""
+
+    capacity: int
+    usable: int
+    fits: bool
+    peak_allocated: int
+    peak_reserved: int
+    peak_requested: int
+    reserved_at_peak_allocated: int
+    peak_event: int
+    where_peak: dict[str, Any]
+    by_category: dict[str, int]
+    by_module: list[tuple[str, int]]
+    oom: dict[str, Any] | None
+    overheads: GpuOverheads
+    alloc_conf: str | None
+    events: int
+    replay_seconds: float
+    source: str = ""
+    curves: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    checkpointed_blocks: str = ""  # set by fit for a capture with checkpoint_blocks
+    checkpointed_count: int = 0
+
+    @property
+    def fragmentation(self) -> float:
+        """Peak reserved over peak allocated (1.0 is perfect packing)."""
+        return self.peak_reserved / self.peak_allocated if self.peak_allocated else 1.0
+
+    @property
+    def headroom(self) -> int:
+        """Usable bytes left at the reserved peak (negative when it does not fit)."""
+        return self.usable - self.peak_reserved if self.fits else -1
+
+    def verdict(self) -> str:
+        if self.fits:
+            return (f"fits: peak reserved {format_size(self.peak_reserved)} of {format_size(self.capacity)} "
+                    f"(peak allocated {format_size(self.peak_allocated)})")
+        o = self.oom or {}
+        where = o.get("module") or "(outside any module)"
+        return (f"OOM at {where} ({o.get('op', '?')}), step {o.get('step', '?')} {o.get('phase', '?')}: "
+                f"tried to allocate {format_size(o.get('size', 0))} with {format_size(o.get('allocated', 0))} live, "
+                f"{format_size(o.get('reserved', 0))} reserved of {format_size(self.usable)} usable")
+
+    def table(self, top: int = 5) -> str:
+        """The verdict, then the figures a person reads in ten seconds."""
+        lines = [self.verdict(), ""]
+        label = "at the peak" if self.fits else "at the OOM"
+        rows = [("device memory", format_size(self.capacity))]
+        for name, value, where in self.overheads.items():
+            rows.append((f"  {name.replace('_', ' ')}", f"{format_size(value)} "
+                         f"({'outside the allocator' if where == 'outside' else 'allocated at the first step'})"))
+        rows.append(("usable by the allocator", format_size(self.usable)))
+        if self.fits:
+            rows += [("peak allocated", format_size(self.peak_allocated)),
+                     ("peak reserved", f"{format_size(self.peak_reserved)} ({self.fragmentation:.3f}x allocated)")]
+        else:
+            o = self.oom or {}
+            rows += [("allocated at the OOM", format_size(o.get("allocated", 0))),
+                     ("reserved at the OOM", format_size(o.get("reserved", 0))),
+                     ("request that failed", format_size(o.get("size", 0)))]
+        w = self.where_peak
+        if w:
+            rows.append((f"{label}", f"step {w.get('step')}, {w.get('phase')}, {w.get('module') or '(outside modules)'}"
+                         f" ({w.get('op')})"))
+        for cat, value in sorted(self.by_category.items(), key=lambda kv: -kv[1]):
+            if value:
+                rows.append((f"  {cat.replace('_', ' ')}", format_size(value)))
+        if self.by_module:
+            rows.append(("largest modules " + label, ""))
+            for name, value in self.by_module[:top]:
+                rows.append((f"  {name or '(outside modules)'}", format_size(value)))
+        width = max(len(r[0]) for r in rows) + 2
+        lines += [f"{name:<{width}}{value}".rstrip() for name, value in rows]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _conf_text(alloc_conf: Any) -> str | None:
+    if alloc_conf is None:
+        return None
+    if isinstance(alloc_conf, str):
+        return alloc_conf
+    if isinstance(alloc_conf, dict):
+        parts = []
+        for k, v in alloc_conf.items():
+            if isinstance(v, bool):
+                v = "True" if v else "False"
+            parts.append(f"{k}:{v}")
+        return ",".join(parts)
+    raise TypeError(f"alloc_conf must be a VRAMKIT_ALLOC_CONF string or a dict, got {type(alloc_conf).__name__}")
+
+
+def _with_overheads(trace: Trace, overheads: GpuOverheads, include_host: bool) -> tuple[np.ndarray, ...]:
+    """The event columns to replay: host-side allocations dropped (unless asked), workspace
+    line items inserted as allocations before the first step's first event. Returns
+    (kind, id, size, stream, source_index) where source_index maps back to the trace's events
+    (-1 for an inserted line item)."""
+    kind, ids, size, stream = trace.kind, trace.id, trace.size, trace.stream
+    keep = np.ones(len(kind), bool)
+    if not include_host and trace.num_allocations:
+        host = trace.alloc_category == CATEGORIES.index("host")
+        mem = kind <= FREE
+        keep[mem] = ~host[ids[mem]]
+    src = np.flatnonzero(keep)
+    kind, ids, size, stream = kind[src], ids[src], size[src], stream[src]
+    extra = [(name, value) for name, value, where in overheads.items() if where == "allocator"]
+    if not extra:
+        return kind, ids, size, stream, src
+    steps = np.flatnonzero(kind == STEP)
+    at = int(steps[0]) if steps.size else 0
+    first_id = trace.num_allocations
+    add_kind = np.zeros(len(extra), np.uint8)
+    add_id = np.arange(first_id, first_id + len(extra), dtype=np.int64)
+    add_size = np.array([v for _, v in extra], np.uint64)
+    return (np.concatenate([kind[:at], add_kind, kind[at:]]), np.concatenate([ids[:at], add_id, ids[at:]]),
+            np.concatenate([size[:at], add_size, size[at:]]),
+            np.concatenate([stream[:at], np.zeros(len(extra), np.uint64), stream[at:]]),
+            np.concatenate([src[:at], np.full(len(extra), -1, np.int64), src[at:]]))
+
+
+def _describe_event(trace: Trace, event: int, phases: np.ndarray, steps: np.ndarray) -> dict[str, Any]:
+    if event < 0 or event >= trace.num_events:
+        return {}
+    out: dict[str, Any] = {"event": int(event), "phase": PHASES[int(phases[event])], "step": int(steps[event])}
+    if trace.kind[event] in (ALLOC, FREE):
+        i = int(trace.id[event])
+        out.update(module=trace.name_of("modules", int(trace.alloc_module[i])).replace("?", ""),
+                   op=trace.name_of("ops", int(trace.alloc_op[i])), size=int(trace.size[event]),
+                   category=CATEGORIES[int(trace.alloc_category[i])])
+    return out
+
+
+def _step_at(trace: Trace) -> np.ndarray:
+    marks = trace.kind == STEP
+    pos = np.where(marks, np.arange(trace.num_events), -1)
+    last = np.maximum.accumulate(pos) if trace.num_events else pos
+    return np.where(last >= 0, trace.id[np.maximum(last, 0)], -1)
+
+
+def replay(trace: Trace, capacity: Any, alloc_conf: Any = None, *, overheads: GpuOverheads | None = None,
+           include_host: bool = False, top: int = 10, curves: bool = False) -> Prediction:
+    """Replay `trace` on a simulated device of `capacity` (bytes or "24GiB") with PyTorch's
+    allocator policy (`alloc_conf`: PYTORCH_CUDA_ALLOC_CONF-style options, a string or dict)
+    and return a ``Prediction``: peaks, whether and where it runs out of memory, the
+    fragmentation, and what was live at the peak (or at the OOM) by category and by module.
+
+    `overheads`: the GPU-only line items (``GpuOverheads()`` by default; ``NO_OVERHEADS`` to
+    replay the trace alone). `include_host`: also replay allocations that a GPU run keeps in
+    host memory (Adam's step counters). `curves`: keep per-event allocated/reserved arrays.
+    """
+    if not isinstance(trace, Trace):
+        raise TypeError(f"trace must be a vramkit.trace.Trace, got {type(trace).__name__}")
+    cap = parse_size(capacity)
+    ov = GpuOverheads() if overheads is None else overheads
+    if not isinstance(ov, GpuOverheads):
+        raise TypeError(f"overheads must be a GpuOverheads, got {type(ov).__name__}")
+    usable = cap - ov.outside
+    if usable <= 0:
+        raise ValueError(f"capacity {format_size(cap)} leaves nothing once {format_size(ov.outside)} of CUDA context "
+                         "and other memory outside the allocator is taken")
+    conf = _conf_text(alloc_conf)
+    kind, ids, size, stream, src = _with_overheads(trace, ov, include_host)
+    n = len(kind)
+    allocated = np.zeros(n, np.uint64)
+    reserved = np.zeros(n, np.uint64)
+    addresses = np.zeros(n, np.uint64) if curves else None
+    t0 = time.perf_counter()
+    res = _C.trace_replay(kind, ids, size, stream, usable, conf, reserved, allocated, addresses)
+    seconds = time.perf_counter() - t0
+
+    phases, steps = trace.phase_at(), _step_at(trace)
+    oom = None
+    done = n if res["oom_event"] < 0 else int(res["oom_event"])
+    if res["oom_event"] >= 0:
+        e = int(res["oom_event"])
+        info = res.get("oom_info") or {}
+        oom = {"event": int(src[e]), "size": int(size[e]), "allocated": int(info.get("allocated", 0)),
+               "reserved": int(info.get("reserved", 0)),
+               "message": res.get("oom_message", "").replace("sim:-1", "the simulated GPU")}
+        if src[e] >= 0:
+            d = _describe_event(trace, int(src[e]), phases, steps)
+            oom.update({k: v for k, v in d.items() if k in ("module", "op", "phase", "step", "category")})
+        else:
+            oom.update(module="", op="(GPU line item)", phase="setup", step=0)
+        focus = e - 1  # what was live when the failing request came
+    else:
+        focus = int(res["peak_allocated_event"])
+
+    # Block bytes per allocation from the per-event allocated column (exact under any rounding).
+    block = np.zeros(n, np.int64)
+    if n:
+        prev = np.concatenate([[0], allocated[:-1].astype(np.int64)])
+        block = allocated.astype(np.int64) - prev
+    by_category: dict[str, int] = {}
+    by_module: list[tuple[str, int]] = []
+    where: dict[str, Any] = {}
+    if focus >= 0 and n:
+        upto = slice(0, focus + 1)
+        is_alloc = kind[upto] == ALLOC
+        alloc_pos = np.flatnonzero(is_alloc)
+        mem_ids = ids[kind <= FREE]  # marker ids are phase and step numbers, not allocation ids
+        freed = np.zeros(int(mem_ids.max()) + 1 if mem_ids.size else 0, bool)
+        fpos = np.flatnonzero(kind[upto] == FREE)
+        freed[ids[fpos]] = True
+        live_pos = alloc_pos[~freed[ids[alloc_pos]]]
+        live_ids = ids[live_pos]
+        live_bytes = block[live_pos]
+        num = trace.num_allocations
+        in_trace = live_ids < num
+        cat_names = np.array(CATEGORIES + ("workspace",))
+        cats = np.full(len(live_ids), len(CATEGORIES), np.int64)
+        cats[in_trace] = trace.alloc_category[live_ids[in_trace]]
+        for c in np.unique(cats):
+            by_category[str(cat_names[c])] = int(live_bytes[cats == c].sum())
+        mods = np.full(len(live_ids), -2, np.int64)
+        mods[in_trace] = trace.alloc_module[live_ids[in_trace]]
+        totals: dict[str, int] = {}
+        for m in np.unique(mods):
+            name = "(GPU line items)" if m == -2 else (trace.modules[m] if m >= 0 else "")
+            totals[name] = totals.get(name, 0) + int(live_bytes[mods == m].sum())
+        by_module = sorted(totals.items(), key=lambda kv: -kv[1])[:max(top, 0)]
+        if oom is None and src[focus] >= 0:
+            where = _describe_event(trace, int(src[focus]), phases, steps)
+
+    out_curves = {}
+    if curves and addresses is not None:  # (addresses is an array exactly when curves is set)
+        # Up to the last event replayed: all of them, or those before the OOM.
+        out_curves = {"kind": kind[:done], "id": ids[:done], "allocated": allocated[:done],
+                      "reserved": reserved[:done], "address": addresses[:done], "source_event": src[:done]}
+    return Prediction(capacity=cap, usable=usable, fits=oom is None, peak_allocated=int(res["peak_allocated"]),
+                      peak_reserved=int(res["peak_reserved"]), peak_requested=int(res["peak_requested"]),
+                      reserved_at_peak_allocated=int(res["reserved_at_peak_allocated"]),
+                      peak_event=int(src[focus]) if oom is None and focus >= 0 else -1, where_peak=where,
+                      by_category=by_category, by_module=by_module, oom=oom, overheads=ov, alloc_conf=conf,
+                      events=int(res["events"]), replay_seconds=seconds, source=str(trace.meta.get("source", "")),
+                      curves=out_curves)
+
+
+def peak_live_bytes(trace: Trace, *, rounded: bool = False, categories: Sequence[str] | None = None) -> int:
+    """Peak of the sum of live allocations' sizes (requested bytes, or rounded up to 512 B as
+    PyTorch's blocks are), over the whole trace, in pure NumPy: the reference the tests
+    compare the C replay and live measurements against."""
+    mem = trace.kind <= FREE
+    kind, ids = trace.kind[mem], trace.id[mem]
+    sizes = trace.alloc_size.astype(np.int64)
+    if rounded:
+        sizes = np.where(sizes > 0, np.maximum(512, (sizes + 511) // 512 * 512), 0)
+    if categories is not None:
+        wanted = np.isin(trace.alloc_category, [CATEGORIES.index(c) for c in categories])
+        sizes = np.where(wanted, sizes, 0)
+    delta = np.where(kind == ALLOC, sizes[ids], -sizes[ids])
+    return int(np.cumsum(delta).max(initial=0))
