@@ -127,7 +127,7 @@ def test_threads_under_thread_sanitizer(tmp_path):
 
 
 AARCH64_CC = "aarch64-linux-gnu-gcc"
-AARCH64_TESTS = ("test_amp", "test_alloc", "test_host")
+AARCH64_TESTS = ("test_amp", "test_amp_scale_rule", "test_alloc", "test_host")
 
 
 def test_aarch64_cross_build(tmp_path):
