@@ -2,7 +2,8 @@
 see the package docstring (``vramkit.amp``) for what they do and where they depart from PyTorch.
 
 Helpers: ``arrays`` turns gradient arrays of any family into what the C kernels take,
-``grads`` builds the gradient lists for the CPU kernels, ``state`` keeps the scaler's scalars.
+``grads`` builds the gradient lists for the CPU kernels, ``state`` keeps the scaler's scalars,
+``self_scaling`` steps the optimizers that unscale their gradients themselves.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict
-from enum import Enum
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -19,7 +19,8 @@ from .. import _C
 from . import arrays as _arrays
 from .._core.devices import is_available
 from .grads import _cpu_scale, _cpu_unscale, _grads_of, _sparse_grads
-from .state import HostScalars, host_float, policy, scalars_for, set_host_float
+from .self_scaling import step_self_scaling, supports_amp_scaling
+from .state import HostScalars, OptState, host_float, policy, scalars_for, set_host_float
 
 __all__ = ["GradScaler", "OptState", "non_finite_check_and_unscale_", "scale_", "unscale_", "unscale_and_norm_",
            "update_scale_", "get_num_threads", "set_num_threads", "simd_path"]
@@ -179,12 +180,6 @@ def simd_path() -> str:
 
 
 # ---- GradScaler ----------------------------------------------------------------------------------
-
-class OptState(Enum):
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
-
 
 def _refresh_per_optimizer_state() -> dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
@@ -360,6 +355,12 @@ class GradScaler:
         state["found_inf_per_device"], _ = self._unscale_grads(grads, inv, False, checks)
         state["stage"] = OptState.UNSCALED
 
+    def _check_inf_per_device(self, optimizer: Any) -> None:
+        """Look for inf/NaN in the gradients without unscaling them (torch's method of the same
+        name), for optimizers that unscale themselves; the stage stays READY."""
+        state, grads, checks = self._begin_unscale(optimizer)
+        state["found_inf_per_device"], _ = self._unscale_grads(grads, self._ns.full(1.0, "float32"), False, checks)
+
     def unscale_and_clip_(self, optimizer: Any, max_norm: float) -> Any:
         """``unscale_`` plus ``clip_grad_norm_(max_norm)`` in one pass over the gradients.
 
@@ -405,7 +406,9 @@ class GradScaler:
         ``optimizer`` is a torch optimizer (its ``step(*args, **kwargs)`` runs) or a list of
         gradient arrays together with ``step_fn`` (``step_fn(*args, **kwargs)`` runs). Returns
         the step's return value (None when skipped), or ``(value, found_inf)`` with
-        ``return_found_inf=True``.
+        ``return_found_inf=True``. An optimizer that sets ``_step_supports_amp_scaling`` (torch's
+        fused ones) is stepped as torch steps it, unscaling in its own kernel: see
+        ``vramkit.amp.self_scaling``.
         """
         is_optimizer = hasattr(optimizer, "param_groups")
         if not is_optimizer and step_fn is None:
@@ -421,6 +424,12 @@ class GradScaler:
         state = self._per_optimizer_states[key]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        if is_optimizer and step_fn is None and supports_amp_scaling(optimizer):
+            # torch's fused optimizers unscale inside their kernel (amp/self_scaling.py)
+            retval, found = step_self_scaling(self, optimizer, state, self._check_inf_per_device, args, kwargs)
+            if not return_found_inf:
+                return retval
+            return retval, (bool(found.item() != 0) if found is not None else None)
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         if len(state["found_inf_per_device"]) == 0:

@@ -7,11 +7,20 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from enum import Enum
 from typing import Any
 
 import numpy as np
 
 from .. import _C
+
+
+class OptState(Enum):
+    """Where an optimizer is in a GradScaler iteration (torch.amp.grad_scaler.OptState)."""
+
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
 
 
 class HostScalars:
