@@ -46,6 +46,8 @@ def grads(model, x, seed, **kw):
     xx = x.detach().clone().requires_grad_(True)
     torch.manual_seed(seed)
     segments = kw.pop("segments", None)
+    if segments:
+        kw.setdefault("use_reentrant", False)
     out = ck.checkpoint_sequential(m, segments, xx, **kw) if kw or segments else m(xx)
     (out.pow(2).sum() + out.sum()).backward()
     return out.detach(), [p.grad for p in m.parameters()], xx.grad

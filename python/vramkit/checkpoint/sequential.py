@@ -25,6 +25,7 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from . import planner as _ck
@@ -463,7 +464,8 @@ def checkpoint_sequential(functions: Any, segments: int | None = None, input: to
     """Run a sequential chain with activation checkpointing; torch's argument order.
 
     ``checkpoint_sequential(model, k, x)``: as ``torch.utils.checkpoint.checkpoint_sequential``
-    (``k`` equal segments, all but the last checkpointed; ``use_reentrant`` None means False).
+    (``k`` equal segments, all but the last checkpointed, run by torch's
+    ``checkpoint_sequential``; ``use_reentrant`` None is torch's default, with torch's warning).
     ``checkpoint_sequential(model, None, x, budget=b)``: ``b`` is bytes (int), or a float in
     (0, 1] meaning that fraction of the activation memory of storing everything (as
     ``plan(..., "none")`` predicts); the chain is profiled once, planned with ``algorithm`` and
@@ -472,7 +474,7 @@ def checkpoint_sequential(functions: Any, segments: int | None = None, input: to
     scalar), when given, is measured too, so the budget covers the memory the loss keeps
     (cross-entropy's softmax); without it that memory comes on top of the budget.
     """
-    from .function import _equal_segments, _order_error
+    from .function import _order_error, resolve_use_reentrant
 
     if isinstance(segments, torch.Tensor):
         raise _order_error(functions, segments, input, budget)
@@ -486,16 +488,20 @@ def checkpoint_sequential(functions: Any, segments: int | None = None, input: to
         raise TypeError("checkpoint_sequential: input (the chain's input Tensor, third argument) is missing")
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"input must be a Tensor, got {type(input).__name__}")
-    if use_reentrant is None:
-        use_reentrant = False
-    if not isinstance(use_reentrant, bool):
-        raise TypeError(f"use_reentrant must be True, False or None, got {use_reentrant!r}")
+    if not isinstance(preserve_rng_state, bool):
+        raise TypeError(f"checkpoint_sequential: preserve_rng_state must be True or False, got {preserve_rng_state!r}")
     if segments is not None:
         if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= len(fns):
             raise ValueError(f"segments must be an int in 1..{len(fns)}, got {segments!r}")
         if loss_fn is not None:
             raise ValueError("loss_fn= only applies with budget= (segments plans nothing)")
-        return _equal_segments(fns, segments, input, use_reentrant, preserve_rng_state)
+        # torch's equal segments, on torch's engine (its default and warning when use_reentrant is None)
+        reentrant = resolve_use_reentrant(use_reentrant, "checkpoint_sequential")
+        out: torch.Tensor = torch_checkpoint.checkpoint_sequential(fns, segments, input, use_reentrant=reentrant,
+                                                                   preserve_rng_state=preserve_rng_state)
+        return out
+    if use_reentrant is not None and not isinstance(use_reentrant, bool):
+        raise TypeError(f"checkpoint_sequential: use_reentrant must be True, False or None, got {use_reentrant!r}")
     if use_reentrant:
         raise ValueError("use_reentrant=True only applies to segments; with budget= the planned schedule runs "
                          "its own executor (allowed: None or False)")
