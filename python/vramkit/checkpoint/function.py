@@ -132,7 +132,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | N
     checked_context_fn = _checked_context_fn(context_fn)
     reentrant = resolve_use_reentrant(use_reentrant, "checkpoint")
     if reentrant and (context_fn is not noop_context_fn or debug):
-        raise ValueError("checkpoint: context_fn and debug are only supported with use_reentrant=False")
+        raise ValueError("checkpoint: context_fn and debug are only supported when use_reentrant=False")
     if reentrant and kwargs:
         raise ValueError(f"checkpoint: unexpected keyword arguments with use_reentrant=True: "
                          f"{', '.join(kwargs)} (keyword arguments to the function need use_reentrant=False)")
