@@ -24,12 +24,8 @@ from vramkit.amp import loss_scaling as amp_impl  # its private helpers
 
 
 @pytest.fixture
-def torch():
-    torch = pytest.importorskip("torch")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: thread hand-offs would cost more than the work
-    yield torch
-    torch.set_num_threads(threads)
+def torch(one_torch_thread):  # tests/conftest.py: tiny tensors, thread hand-offs would cost more than the work
+    return pytest.importorskip("torch")
 
 
 # ---- functional update_scale_ -------------------------------------------------------------------

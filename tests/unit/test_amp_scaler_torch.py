@@ -19,12 +19,8 @@ from vramkit import amp
 
 
 @pytest.fixture
-def torch():
-    torch = pytest.importorskip("torch")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: thread hand-offs would cost more than the work
-    yield torch
-    torch.set_num_threads(threads)
+def torch(one_torch_thread):  # tests/conftest.py: tiny tensors, thread hand-offs would cost more than the work
+    return pytest.importorskip("torch")
 
 
 # ---- GradScaler vs torch.amp.GradScaler ----------------------------------------------------------

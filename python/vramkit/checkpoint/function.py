@@ -24,21 +24,9 @@ from typing import Any, Callable
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from torch import nn
 from torch.utils.checkpoint import noop_context_fn
 
 __all__ = ["checkpoint", "noop_context_fn"]
-
-
-def _stage_name(i: int, fn: Any) -> str:
-    return f"stage {i} ({type(fn).__name__ if isinstance(fn, nn.Module) else getattr(fn, '__name__', type(fn).__name__)})"
-
-
-def _check_output(i: int, fn: Any, y: Any) -> torch.Tensor:
-    if not isinstance(y, torch.Tensor):
-        raise TypeError(f"{_stage_name(i, fn)} returned {type(y).__name__}; every stage must return a single "
-                        "Tensor (as in torch.nn.Sequential)")
-    return y
 
 
 # ---- torch's default for use_reentrant, read from torch --------------------------------------------

@@ -29,7 +29,6 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from . import planner as _ck
-from .function import _check_output
 from ..torch.meters import track
 
 __all__ = ["Sequential", "checkpoint_sequential", "profile", "profile_loss"]
@@ -54,6 +53,17 @@ def _as_functions(functions: Any) -> list[Callable[..., Any]]:
         if not callable(f):
             raise TypeError(f"stage {i} is not callable (got {type(f).__name__})")
     return fns
+
+
+def _stage_name(i: int, fn: Any) -> str:
+    return f"stage {i} ({type(fn).__name__ if isinstance(fn, nn.Module) else getattr(fn, '__name__', type(fn).__name__)})"
+
+
+def _check_output(i: int, fn: Any, y: Any) -> torch.Tensor:
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"{_stage_name(i, fn)} returned {type(y).__name__}; every stage must return a single "
+                        "Tensor (as in torch.nn.Sequential)")
+    return y
 
 
 def _params(fns: Sequence[Any]) -> list[torch.Tensor]:
