@@ -423,7 +423,7 @@ def step(model, inp, loss_fn, seed=5):
 
 
 CASES = {"gpt": (gpt_case, [f"layers.{i}" for i in range(6)], (0.9, 0.7, 0.5, 0.4)),
-         "resnet": (resnet_case, [f"layer{k}.{j}" for k in (1, 2, 3) for j in (0, 1)], (0.9, 0.7, 0.6))}
+         "resnet": (resnet_case, [f"layer{k}.{j}" for k in (1, 2, 3) for j in (0, 1)], (0.9, 0.7, 0.65))}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -459,7 +459,7 @@ def test_apply_gradients_identical_and_peak_within_plan(name):
 
 def test_apply_matches_torch_checkpoint_on_the_same_blocks():
     model, inp, loss_fn = gpt_case()
-    h = ck.apply(model, 0.5, sample_input=inp, loss_fn=loss_fn)
+    h = ck.apply(model, 0.5, sample_input=inp, loss_fn=loss_fn, selective=False)
     ours = step(model, inp, loss_fn)
     h.remove()
     wrapped = [model.get_submodule(n) for n in h.checkpointed]

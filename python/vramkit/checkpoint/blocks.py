@@ -30,6 +30,8 @@ import torch
 from torch import nn
 
 from . import planner as _ck
+from . import selective as _sel
+from .choose import block_schedule, choose
 from .function import checkpoint
 from .sequential import _profile
 from ..torch.meters import track
@@ -133,13 +135,17 @@ def _keep_norm_stats(module: nn.Module) -> Iterator[None]:
 
 
 class _Checkpointed:
-    """The instance ``forward`` of a wrapped block: its own forward under ``checkpoint``."""
+    """The instance ``forward`` of a wrapped block: its own forward under ``checkpoint``; with
+    ``saved_ops``, under torch's selective checkpointing saving the outputs of those ops."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, saved_ops: Sequence[Any] = ()):
         self.module = module
+        self.saved_ops = tuple(saved_ops)
         self.inner = type(module).forward.__get__(module)
 
-    def _contexts(self) -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+    def _contexts(self) -> tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]:
+        if self.saved_ops:
+            return _sel.selective_contexts(self.saved_ops, _keep_norm_stats(self.module))
         return contextlib.nullcontext(), _keep_norm_stats(self.module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -150,22 +156,32 @@ class _Checkpointed:
 
 class CheckpointHandle:
     """What ``apply`` did: ``blocks`` (names, forward order), ``checkpointed`` (names of the
-    wrapped ones), ``predicted_peak`` / ``full_peak`` / ``budget`` (bytes of activation memory:
-    planned, measured storing everything, allowed), ``recompute_time`` (seconds of forward
-    per step added), ``stages``. ``remove()`` (or leaving a ``with`` block) unwraps them."""
+    wrapped ones), ``selective`` (for those checkpointed selectively: block name -> the ops whose
+    outputs they save, e.g. ``["aten.mm.default", "aten.addmm.default"]``; the others recompute
+    their whole forward), ``predicted_peak`` / ``full_peak`` / ``budget`` (bytes of activation
+    memory: planned, measured storing everything, allowed), ``recompute_time`` (seconds of
+    forward per step added), ``whole_block_recompute_time`` (what the best plan found with whole
+    blocks only would add, for comparison; None with ``selective=False``), ``stages``.
+    ``remove()`` (or leaving a ``with`` block) unwraps them."""
 
     def __init__(self, blocks: list[tuple[str, nn.Module]], chosen: list[int], stages: list[_ck.Stage],
-                 predicted_peak: int, full_peak: int, budget: int, recompute_time: float):
+                 predicted_peak: int, full_peak: int, budget: int, recompute_time: float,
+                 saved_ops: dict[int, tuple[Any, ...]] | None = None,
+                 whole_block_recompute_time: float | None = None):
+        saved_ops = saved_ops or {}
         self.blocks = [n for n, _ in blocks]
         self.checkpointed = [blocks[i][0] for i in chosen]
+        self.selective = {blocks[i][0]: [str(op) for op in saved_ops[i]] for i in chosen if saved_ops.get(i)}
         self.stages = stages
         self.predicted_peak = predicted_peak
         self.full_peak = full_peak
         self.budget = budget
         self.recompute_time = recompute_time
+        self.whole_block_recompute_time = whole_block_recompute_time
         self._modules = [blocks[i][1] for i in chosen]
-        for m in self._modules:
-            m.forward = _Checkpointed(m)
+        for i in chosen:
+            m = blocks[i][1]
+            m.forward = _Checkpointed(m, saved_ops.get(i, ()))
 
     def remove(self) -> None:
         for m in self._modules:
@@ -180,11 +196,13 @@ class CheckpointHandle:
         self.remove()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"blocks": self.blocks, "checkpointed": self.checkpointed, "predicted_peak": self.predicted_peak,
-                "full_peak": self.full_peak, "budget": self.budget, "recompute_time": self.recompute_time}
+        return {"blocks": self.blocks, "checkpointed": self.checkpointed, "selective": self.selective,
+                "predicted_peak": self.predicted_peak, "full_peak": self.full_peak, "budget": self.budget,
+                "recompute_time": self.recompute_time, "whole_block_recompute_time": self.whole_block_recompute_time}
 
     def __repr__(self) -> str:
-        return (f"CheckpointHandle({len(self.checkpointed)} of {len(self.blocks)} blocks checkpointed "
+        sel = f", {len(self.selective)} of them selectively" if self.selective else ""
+        return (f"CheckpointHandle({len(self.checkpointed)} of {len(self.blocks)} blocks checkpointed{sel} "
                 f"{self.checkpointed}; predicted activation peak {self.predicted_peak:,} B within budget "
                 f"{self.budget:,} B; storing everything measured {self.full_peak:,} B)")
 
@@ -295,60 +313,30 @@ def _measure_full(model: nn.Module, sample_input: Any, loss_fn: Callable[[Any], 
     return int(m.peak)
 
 
-def _schedule(n: int, chosen: set[int]) -> list[tuple[str, int]]:
-    ops = [("forward_check" if i in chosen else "forward_all", i) for i in range(n)] + [("loss", n)]
-    for i in reversed(range(n)):
-        if i in chosen:
-            ops.append(("forward_all", i))
-        ops.append(("backward", i))
-    return ops
-
-
-def _select(stages: list[_ck.Stage], out_bytes: int, offset: int, budget: int) -> tuple[list[int], int]:
-    n = len(stages)
-
-    def peak(c: set[int]) -> int:
-        return offset + int(_ck.simulate(stages, _schedule(n, c), output_bytes=out_bytes)[1])
-
-    chosen: set[int] = set()
-    current = peak(chosen)
-    least = peak(set(range(n)))
-    if least > budget:
-        raise _ck.BudgetTooSmallError(
-            f"budget {budget:,} bytes is below what checkpointing every block needs: {least:,} bytes are predicted "
-            f"with all {n} blocks checkpointed", least, budget)
-    while current > budget:
-        best: tuple[Any, int, int] | None = None  # (sort key, or None for the fallback; block; peak)
-        for i in range(n):
-            if i in chosen:
-                continue
-            p = peak(chosen | {i})
-            gain = (current - p) / max(stages[i].fwd_time, 1e-9)
-            key = (gain, current - p, i)
-            if best is None or key > best[0]:
-                best = (key, i, p)
-        assert best is not None  # current > budget >= least: some block is not chosen yet
-        if best[0][1] <= 0:  # nothing lowers it on its own: take the block keeping the most
-            i = max((k for k in range(n) if k not in chosen), key=lambda k: stages[k].saved_bytes)
-            best = (None, i, peak(chosen | {i}))
-        chosen.add(best[1])
-        current = best[2]
-    for i in sorted(chosen, key=lambda k: -stages[k].fwd_time):  # drop what is not needed
-        p = peak(chosen - {i})
-        if p <= budget:
-            chosen.discard(i)
-            current = p
-    return sorted(chosen), current
+def _output_once(stage: _ck.Stage, out_bytes: int, output_saved: bool) -> _ck.Stage:
+    """A block whose backward needs its own output (a final ReLU saves it) has it in its saved
+    bytes, and the simulator also counts it as the next block's input: count it once. It stays
+    until the block's backward, which the backward transient then covers."""
+    if not output_saved or stage.saved_bytes - out_bytes < stage.input_bytes:
+        return stage
+    return _ck.Stage(stage.fwd_time, stage.bwd_time, stage.input_bytes, stage.saved_bytes - out_bytes,
+                     stage.fwd_tmp, stage.bwd_tmp + out_bytes, stage.fwd_all_tmp)
 
 
 def apply(model: nn.Module, budget: Any = 0.5, *, blocks: Any = None, sample_input: Any = None,
-          loss_fn: Callable[[Any], Any] | None = None, repeats: int = 2) -> CheckpointHandle:
+          loss_fn: Callable[[Any], Any] | None = None, repeats: int = 2, selective: bool = True) -> CheckpointHandle:
     """Checkpoint the fewest (cheapest) of ``model``'s repeated blocks so that a training step on
     inputs like ``sample_input`` needs at most ``budget`` of activation memory: bytes (int) or a
     float in (0, 1], that fraction of the peak measured storing everything. ``loss_fn(output)``
     is the loss (default: the sum of the first Tensor of the output). Returns a
     ``CheckpointHandle`` (the plan, and ``remove()``). Raises ``BudgetTooSmallError`` when even
-    checkpointing every block does not fit."""
+    checkpointing every block does not fit.
+
+    ``selective=True`` (the default) also considers torch's selective activation checkpointing
+    per block: saving the outputs of some operator types (matmuls, attention) and recomputing
+    the rest (norms, activations, dropout), chosen when that fits the budget with less
+    recomputation than checkpointing whole blocks; ``handle.selective`` lists what each such
+    block saves. ``selective=False``: whole blocks only."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if sample_input is None:
@@ -364,6 +352,8 @@ def apply(model: nn.Module, budget: Any = 0.5, *, blocks: Any = None, sample_inp
         raise TypeError(f"loss_fn must be a callable (output -> scalar loss) or None, got {type(loss_fn).__name__}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    if not isinstance(selective, bool):
+        raise TypeError(f"selective must be True or False, got {selective!r}")
     found = find_blocks(model, blocks)
     for name, m in found:
         if isinstance(m.__dict__.get("forward"), _Checkpointed):
@@ -374,14 +364,18 @@ def apply(model: nn.Module, budget: Any = 0.5, *, blocks: Any = None, sample_inp
     captured = _capture(model, found, sample_input)
     full = _measure_full(model, sample_input, loss_fn)
     stages, out_bytes = [], 0
+    ladders: list[list[_sel.SelectiveLevel]] | None = [] if selective else None
     with _restored(model):  # _profile restores the buffers of modules it is given; a _BlockFn is none
         for (name, m), (args, kwargs) in zip(found, captured):
-            st, out_bytes, _, _ = _profile([_BlockFn(m, args, kwargs)], args[0], repeats)
-            stages.append(st[0])
+            fn = _BlockFn(m, args, kwargs)
+            st, out_bytes, keep_out, _ = _profile([fn], args[0], repeats)
+            stages.append(_output_once(st[0], out_bytes, keep_out[0]))
+            if ladders is not None:
+                ladders.append(_sel.ladder(_sel.profile_ops(fn, args[0], st[0].fwd_time, repeats)))
     del captured
     nbytes = max(1, int(math.floor(budget * full))) if isinstance(budget, float) else int(budget)
-    chain_full = int(_ck.simulate(stages, _schedule(len(stages), set()), output_bytes=out_bytes)[1])
+    chain_full = int(_ck.simulate(stages, block_schedule(len(stages), set()), output_bytes=out_bytes)[1])
     offset = max(0, full - chain_full)
-    chosen, predicted = _select(stages, out_bytes, offset, nbytes)
-    return CheckpointHandle(found, chosen, stages, predicted, full, nbytes,
-                            float(sum(stages[i].fwd_time for i in chosen)))
+    plan = choose(stages, ladders, out_bytes, offset, nbytes)
+    return CheckpointHandle(found, plan.checkpointed, stages, plan.peak, full, nbytes, plan.recompute_time,
+                            plan.saved_ops, plan.whole_block_recompute_time)
