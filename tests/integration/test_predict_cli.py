@@ -56,7 +56,7 @@ def test_fit_finds_the_largest_batch_and_writes_the_timeline(tmp_path, script):
     build = gpt_builder(GPTConfig(vocab=1000, seq=128, dim=128, heads=4, layers=2))
     assert vt.replay(vt.capture(build, best, steps=2), "160MiB", overheads=vt.NO_OVERHEADS).fits
     assert not vt.replay(vt.capture(build, best + 1, steps=2), "160MiB", overheads=vt.NO_OVERHEADS).fits
-    assert "batch size 1: fits" in proc.stderr  # progress, one line per probe
+    assert "batch size 2: fits" in proc.stderr  # progress, one line per probe (1 is not probed when 2 fits)
     page = (tmp_path / "vramkit-predict.html").read_text()
     assert "<svg" in page and "layers.0" in page
     saved = vt.load(tmp_path / "best.vktrace")
@@ -88,6 +88,24 @@ def test_fit_bad_input(tmp_path, script, args, status, message):
     assert proc.returncode == status, proc.stdout + proc.stderr
     assert message in proc.stderr, proc.stderr
     assert not (tmp_path / "vramkit-predict.html").exists()
+
+
+def test_fit_and_replay_with_a_gpu_profile(tmp_path, script):
+    from vramkit import trace as vt
+
+    proc = vramkit_cli("fit", "train.py", "--gpu", "A100-40GB", "--batch-size", "2", "--no-search",
+                       "--trace", "t.vktrace", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "on A100-40GB (39.59 GiB)" in proc.stderr
+    t = vt.load(tmp_path / "t.vktrace")
+    assert t.meta["cuda_choices"]["arch"] == "8.0"
+    expected = vt.replay(t, gpu="A100-40GB")
+    assert proc.stdout.splitlines()[0] == "batch size 2: " + expected.verdict()
+    replayed = vramkit_cli("replay", "t.vktrace", "--gpu", "a100_40gb", cwd=tmp_path)
+    assert replayed.returncode == 0 and replayed.stdout.splitlines()[0] == expected.verdict()
+    for args, message in ((["--gpu", "B200"], "unknown GPU 'B200'"), ([], "say which GPU: --gpu NAME")):
+        bad = vramkit_cli("fit", "train.py", *args, cwd=tmp_path)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
 
 
 def test_replay_of_a_saved_trace(tmp_path, script):

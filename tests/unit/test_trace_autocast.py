@@ -49,7 +49,7 @@ def canonical(t: vt.Trace) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("batch", [1, 3])
 def test_meta_emulation_equals_real_cpu_autocast(name, batch):
     build = MODELS[name]("cpu")  # the step runs under torch.autocast("cpu", dtype=torch.bfloat16)
-    meta = vt.capture(build, batch, device="meta", steps=2)  # emulated: no meta autocast in torch
+    meta = vt.capture(build, batch, device="meta", steps=2, cuda=False)  # emulated: no meta autocast in torch
     cpu = vt.capture(build, batch, device="cpu", steps=2)  # the real CPU autocast
     for a, b in zip(canonical(meta), canonical(cpu)):
         np.testing.assert_array_equal(a, b)
@@ -77,8 +77,9 @@ def test_cuda_lists_on_meta():
     t = vt.capture(gpt_builder(cfg, amp="cuda"), 4, device="meta", steps=2)
     ops = dtypes_by_op(t)
     assert ops["aten::addmm"] == {"bfloat16"}  # linear: lower precision
-    # Fused attention: the output in bfloat16, its log-sum-exp row in float32.
-    assert ops["aten::_scaled_dot_product_flash_attention_for_cpu"] == {"bfloat16", "float32"}
+    # Flash attention, as an H100 runs bf16 attention: the output in bfloat16, its log-sum-exp
+    # row in float32, the philox seed and offset (uint64).
+    assert ops["aten::_scaled_dot_product_flash_attention"] == {"bfloat16", "float32", "uint64"}
     assert ops["aten::native_layer_norm"] == {"float32"}  # layer_norm: fp32 on CUDA (not on CPU)
     assert "float32" in ops["aten::_log_softmax"]  # cross_entropy: fp32
     # Parameters are cast once per region (the cast cache), not once per use.

@@ -56,7 +56,8 @@ def test_cpu_capture_peak_equals_a_live_cpu_run(name, batch):
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("batch", [1, 5])
 def test_meta_and_cpu_captures_are_identical(name, batch):
-    meta = vt.capture(MODELS[name], batch, device="meta", steps=2)
+    # With CUDA's dispatch choices off, meta runs the CPU's code paths.
+    meta = vt.capture(MODELS[name], batch, device="meta", steps=2, cuda=False)
     cpu = vt.capture(MODELS[name], batch, device="cpu", steps=2)
     for col in COLUMNS:
         np.testing.assert_array_equal(getattr(meta, col), getattr(cpu, col), err_msg=col)
@@ -72,7 +73,8 @@ def test_checkpointing_lowers_the_activation_peak():
     phases = ckpt.phase_at()
     ops_in_backward = {ckpt.name_of("ops", int(ckpt.alloc_op[i])) for i in range(ckpt.num_allocations)
                        if vt.PHASES[int(phases[ckpt.alloc_index[i]])] == "backward"}
-    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops_in_backward
+    # (float32 attention: CUDA's memory-efficient kernel, which takes fp32; flash does not.)
+    assert "aten::_scaled_dot_product_efficient_attention" in ops_in_backward
     assert "aten::gelu" in ops_in_backward
 
 
@@ -91,7 +93,9 @@ def test_categories_match_the_model():
     assert category_bytes(t, "parameter") == 4 * params
     # AdamW: exp_avg and exp_avg_sq per parameter; step counters kept on the host on a GPU.
     assert category_bytes(t, "optimizer_state") == 2 * 4 * params
-    assert category_bytes(t, "host") == 4 * len(list(model.parameters()))
+    # foreach AdamW (CUDA's default) also adds torch.tensor(1.0, device="cpu") to the host-side
+    # counters at each step: one 4-byte host tensor per step.
+    assert category_bytes(t, "host") == 4 * len(list(model.parameters())) + 2 * 4
     # One gradient per parameter per step, two steps.
     assert category_bytes(t, "gradient") == 2 * 4 * params
     assert category_bytes(t, "activation") > 0 and category_bytes(t, "temporary") > 0
@@ -211,28 +215,35 @@ def _encoder_builder(dropout: float):
     return build
 
 
-def test_torch_transformer_encoder_and_the_one_explained_difference():
-    """nn.TransformerEncoder (nn.MultiheadAttention inside): meta and cpu captures agree
-    without attention dropout. With it, the CPU's scaled_dot_product_attention falls back to
-    the math path (softmax and bmm, an L x L matrix per head), while a GPU's fused kernels
-    take dropout; the meta capture follows the GPU. That is the only difference: every op
-    outside attention allocates the same."""
+def test_torch_transformer_encoder_on_meta_with_cpu_rules_and_with_cuda_rules():
+    """nn.TransformerEncoder (nn.MultiheadAttention inside). With CUDA's choices off, meta
+    follows the CPU's attention rules, with and without attention dropout (the CPU's fused
+    kernel takes no dropout, so with it both fall back to the math path): the captures agree.
+    With CUDA's choices on, the differences are exactly the ones CUDA makes: float32 attention
+    in the memory-efficient kernel (no L x L matrix), dropout's bool masks, foreach Adam."""
     from collections import Counter
 
     def ops(t):
         return Counter((t.name_of("ops", int(t.alloc_op[i])), int(t.alloc_size[i])) for i in range(t.num_allocations))
 
-    meta, cpu = (vt.capture(_encoder_builder(0.0), 4, device=d, steps=2) for d in ("meta", "cpu"))
-    for col in COLUMNS:
-        np.testing.assert_array_equal(getattr(meta, col), getattr(cpu, col), err_msg=col)
-    meta, cpu = (vt.capture(_encoder_builder(0.1), 4, device=d, steps=2) for d in ("meta", "cpu"))
+    for dropout in (0.0, 0.1):
+        meta = vt.capture(_encoder_builder(dropout), 4, device="meta", steps=2, cuda=False)
+        cpu = vt.capture(_encoder_builder(dropout), 4, device="cpu", steps=2)
+        for col in COLUMNS:
+            np.testing.assert_array_equal(getattr(meta, col), getattr(cpu, col), err_msg=f"{col}, dropout {dropout}")
+    meta = vt.capture(_encoder_builder(0.1), 4, device="meta", steps=2)
     only_meta, only_cpu = ops(meta) - ops(cpu), ops(cpu) - ops(meta)
-    fused = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
-             "aten::clone"}  # clone: the fused backward's contiguous copy of its incoming gradient
-    math = {"aten::_safe_softmax", "aten::_softmax_backward_data", "aten::bmm", "aten::empty_like", "aten::mul"}
-    assert {op for op, _ in only_meta} <= fused, only_meta
-    assert {op for op, _ in only_cpu} <= math, only_cpu
+    cuda = {"aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_efficient_attention_backward",
+            "aten::native_dropout", "aten::native_dropout_backward", "aten::_foreach_sqrt",
+            "aten::clone",  # copies of the efficient kernel's (B, L, H, D)-strided output
+            "(first use)"}  # foreach Adam's host-side torch.tensor(1.0, device="cpu") per step
+    cpu_paths = {"aten::_safe_softmax", "aten::_softmax_backward_data", "aten::bmm", "aten::empty_like", "aten::mul",
+                 "aten::sqrt", "aten::div", "aten::clone"}
+    assert {op for op, _ in only_meta} <= cuda, only_meta
+    assert {op for op, _ in only_cpu} <= cpu_paths, only_cpu
     assert any(op == "aten::_safe_softmax" for op, _ in only_cpu)  # the L x L attention matrix
+    masks = [n for (op, n), k in only_meta.items() if op == "aten::native_dropout"]
+    assert masks  # bool masks: 1 byte an element, where the CPU saved a float32 noise tensor
     assert vt.peak_live_bytes(meta) < vt.peak_live_bytes(cpu)
 
 

@@ -217,3 +217,22 @@ def test_fit_suggests_bf16_autocast_when_it_is_enough():
     assert 'torch.autocast("cuda", dtype=torch.bfloat16)' in first.cost
     # Nothing that includes autocast with more changes is listed: autocast alone is enough.
     assert not any("autocast" in s.settings and len(s.settings) > 1 for s in report.suggestions)
+
+
+def test_fit_on_a_gpu_without_bf16_suggests_fp16_autocast():
+    from vramkit.trace.cuda_choices import CudaChoices
+
+    t4 = vt.GpuProfile("T4", 15 << 30, (7, 5))
+    cfg = GPTConfig(layers=2, seq=256, dim=128)
+    build = gpt_builder(cfg)
+    sm75 = CudaChoices(arch=(7, 5))
+    plain = vt.replay(vt.capture(build, 16, steps=2, cuda=sm75), "8GiB", overheads=vt.NO_OVERHEADS)
+    amp = vt.replay(vt.capture(build, 16, steps=2, cuda=sm75, autocast=torch.float16), "8GiB",
+                    overheads=vt.NO_OVERHEADS)
+    assert amp.peak_reserved < plain.peak_reserved
+    cap = (plain.peak_reserved + amp.peak_reserved) // 2
+    report = vt.fit(build, cap, gpu=t4, batch_size=16, overheads=vt.NO_OVERHEADS, search=False)
+    first = report.suggestions[0]
+    assert first.settings == {"autocast": "float16"}, report.table()
+    assert first.prediction.peak_reserved == amp.peak_reserved
+    assert "GradScaler" in first.cost and "no bf16" in first.cost

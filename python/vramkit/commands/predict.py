@@ -1,7 +1,7 @@
 """`vramkit fit` and `vramkit replay`: will a training step fit on a GPU of a given size?
 
-    vramkit fit SCRIPT --device-memory 24GiB [--batch-size N] [--entry NAME | module:function] ...
-    vramkit replay TRACE --device-memory 40GiB [--alloc-conf OPTIONS] ...
+    vramkit fit SCRIPT --gpu H100-80GB | --device-memory 24GiB [--batch-size N] [--entry NAME | module:function] ...
+    vramkit replay TRACE --gpu A100-40GB | --device-memory 40GiB [--alloc-conf OPTIONS] ...
 
 `fit` loads SCRIPT without running its `__main__` block (run_name "__vramkit_fit__"), takes
 its builder (`vramkit_step(batch_size)` by default: build the model, optimizer and a batch,
@@ -56,9 +56,21 @@ def _mib(text: str) -> int:
     return int(value * (1 << 20))
 
 
+def _gpu(text: str) -> Any:
+    from ..trace.gpu_profiles import gpu_profile
+
+    try:
+        return gpu_profile(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device-memory", required=True, type=_size, metavar="SIZE",
-                   help="the GPU's memory, e.g. 24GiB, 40GiB, 80GiB (binary units)")
+    p.add_argument("--gpu", type=_gpu, default=None, metavar="NAME",
+                   help="a GPU profile: H100-80GB, A100-80GB, A100-40GB, L4, RTX-4090, or 'current' (this machine's "
+                        "GPU): its memory, CUDA context, cuBLAS workspaces and architecture (attention backend, bf16)")
+    p.add_argument("--device-memory", default=None, type=_size, metavar="SIZE",
+                   help="the GPU's memory, e.g. 24GiB, 40GiB, 80GiB (binary units); overrides --gpu's")
     p.add_argument("--alloc-conf", default=None, metavar="OPTIONS",
                    help="allocator options as in PYTORCH_CUDA_ALLOC_CONF, e.g. max_split_size_mb:128")
     p.add_argument("--cuda-context-mib", type=_mib, default=None, metavar="MIB",
@@ -102,10 +114,24 @@ def add_commands(commands: Any) -> None:
                         help="which device's trace in a snapshot with several (default: the only one)")
 
 
+def _capacity(ns: argparse.Namespace, command: str) -> bool:
+    """Set ns.device_memory from --gpu when only the profile was given; False (and a message)
+    when neither was."""
+    if ns.device_memory is None:
+        if ns.gpu is None:
+            _error(command, "say which GPU: --gpu NAME (H100-80GB, A100-80GB, A100-40GB, L4, RTX-4090, current) or "
+                            "--device-memory SIZE (e.g. 80GiB)")
+            return False
+        ns.device_memory = ns.gpu.total_memory
+    return True
+
+
 def _overheads(ns: argparse.Namespace, recorded_on_gpu: bool) -> Any:
     from ..trace.replay_sim import GpuOverheads
 
-    base = GpuOverheads(cublas_workspace=0) if recorded_on_gpu else GpuOverheads()
+    base = ns.gpu.overheads() if ns.gpu is not None else GpuOverheads()
+    if recorded_on_gpu:  # a GPU recording holds its workspaces already
+        base = GpuOverheads(cuda_context=base.cuda_context, cublas_workspace=0, cudnn_workspace=0, nccl=base.nccl)
     kw = {}
     if ns.cuda_context_mib is not None:
         kw["cuda_context"] = ns.cuda_context_mib
@@ -227,15 +253,18 @@ def cmd_fit(ns: argparse.Namespace) -> int:
     if ns.no_search and ns.batch_size is None:
         _error("fit", "--no-search needs --batch-size")
         return BAD_INPUT
+    if not _capacity(ns, "fit"):
+        return BAD_INPUT
 
     def progress(line: str) -> None:
         print(f"  {line}", file=sys.stderr, flush=True)
 
-    print(f"capturing {os.path.basename(script)}:{ns.entry} on meta and replaying on "
-          f"{vt.format_size(ns.device_memory)} ...", file=sys.stderr, flush=True)
+    on = f"{ns.gpu.name} ({vt.format_size(ns.device_memory)})" if ns.gpu is not None else vt.format_size(ns.device_memory)
+    print(f"capturing {os.path.basename(script)}:{ns.entry} on meta and replaying on {on} ...", file=sys.stderr,
+          flush=True)
     start = time.perf_counter()
     try:
-        report = vt.fit(builder, ns.device_memory, batch_size=ns.batch_size, max_batch_size=ns.max_batch_size,
+        report = vt.fit(builder, ns.device_memory, gpu=ns.gpu, batch_size=ns.batch_size, max_batch_size=ns.max_batch_size,
                         steps=ns.steps, alloc_conf=ns.alloc_conf, overheads=_overheads(ns, False),
                         search=not ns.no_search, progress=progress)
     except vt.CaptureError as exc:
@@ -256,7 +285,13 @@ def cmd_fit(ns: argparse.Namespace) -> int:
     print(report.table(top=ns.top))
     chosen = ns.batch_size or report.max_batch_size or 1  # nothing fits: show batch 1, where it fails
     if chosen:
-        trace = vt.capture(builder, chosen, device="meta", steps=ns.steps, meta={"batch_size": chosen})
+        try:
+            # The fit replayed this batch size already (its trace captured or derived): draw and
+            # save that trace instead of capturing the step once more.
+            trace = report.trace(chosen)
+        except KeyError:  # a size the fit did not probe (none today): capture it as the fit would
+            trace = vt.capture(builder, chosen, device="meta", steps=ns.steps, meta={"batch_size": chosen},
+                               cuda=ns.gpu.cuda_choices() if ns.gpu is not None else True)
         pred = vt.replay(trace, ns.device_memory, ns.alloc_conf, overheads=_overheads(ns, False), curves=True)
         page = _write_html("fit", ns.html, trace, pred, f"vramkit fit: {os.path.basename(script)}, batch size "
                                                          f"{chosen}, {vt.format_size(ns.device_memory)}")
@@ -276,8 +311,11 @@ def cmd_fit(ns: argparse.Namespace) -> int:
 
 def cmd_replay(ns: argparse.Namespace) -> int:
     from .. import trace as vt
+    from ..trace.replay_sim import recorded_on_gpu
 
     problem = _output_problem(ns.html, "--html")
+    if not _capacity(ns, "replay"):
+        return BAD_INPUT
     if problem:
         _error("replay", problem)
         return BAD_INPUT
@@ -305,9 +343,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
         _error("replay", str(exc))
         return BAD_INPUT
     recorded = trace.meta.get("source") == "torch-snapshot"
-    # A trace recorded on a GPU already holds the cuBLAS workspace; vramkit's own cpu or sim
-    # snapshots (meta "recorded_on") do not.
-    on_gpu = recorded and not str(trace.meta.get("recorded_on", "cuda")).startswith(("cpu", "sim"))
+    on_gpu = recorded_on_gpu(trace)
     try:
         pred = vt.replay(trace, ns.device_memory, ns.alloc_conf, overheads=_overheads(ns, on_gpu), top=ns.top,
                          curves=True)

@@ -2,7 +2,10 @@
 
 * ``capture(step_fn, *args, device="meta")`` records a PyTorch step's storage allocations and
   frees (size, dtype, module path, op, phase) without a GPU; on ``meta`` nothing is allocated.
-* ``replay(trace, "24GiB")`` replays it on a simulated device with PyTorch's allocator policy
+* On meta the step makes CUDA's dispatch choices for the target GPU (``CudaChoices``: dropout's
+  bool masks, foreach/fused optimizers, the attention backend), and small tensors keep values
+  so data-dependent Python (Hugging Face's mask checks) runs as on a GPU.
+* ``replay(trace, "24GiB")`` (or ``gpu="H100-80GB"``, a ``GpuProfile``) replays it on a simulated device with PyTorch's allocator policy
   (the loop is C) and returns a ``Prediction``: peaks, the OOM and where, fragmentation, and
   what was live at the peak by category and module.
 * ``fit(build, "24GiB", batch_size=...)`` finds the largest batch size that fits and what makes
@@ -20,12 +23,13 @@ import os
 from typing import Any
 
 from .file_format import ALLOC, CATEGORIES, FREE, MAGIC, PHASE, PHASES, STEP, Trace, TraceFormatError
+from .gpu_profiles import PROFILES, GpuProfile, gpu_profile
 from .replay_sim import NO_OVERHEADS, GpuOverheads, Prediction, format_size, parse_size, peak_live_bytes, replay
 
 __all__ = [
-    "ALLOC", "CATEGORIES", "FREE", "GpuOverheads", "NO_OVERHEADS", "PHASE", "PHASES", "Prediction", "STEP", "Trace",
-    "TraceFormatError", "capture", "fit", "format_size", "from_torch_snapshot", "load", "parse_size",
-    "peak_live_bytes", "replay",
+    "ALLOC", "CATEGORIES", "FREE", "GpuOverheads", "GpuProfile", "NO_OVERHEADS", "PHASE", "PHASES", "PROFILES",
+    "Prediction", "STEP", "Trace", "TraceFormatError", "capture", "fit", "format_size", "from_torch_snapshot",
+    "gpu_profile", "load", "parse_size", "peak_live_bytes", "replay",
 ]
 
 
@@ -78,6 +82,14 @@ def __getattr__(name: str) -> Any:
         from . import capture_step
 
         return getattr(capture_step, name)
+    if name in ("CudaChoices",):
+        from . import cuda_choices
+
+        return getattr(cuda_choices, name)
+    if name in ("DataDependentError",):
+        from . import meta_values
+
+        return getattr(meta_values, name)
     if name in ("FitReport", "Probe", "Suggestion"):
         from . import fit_search
 

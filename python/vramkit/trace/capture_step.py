@@ -33,6 +33,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .autocast_meta import emulate_autocast
+from .cuda_choices import CudaChoices, install as install_choices
+from .meta_values import DataDependentError, MetaValues
 from .module_tags import LABEL, install_hooks, restore_blocks, tag_all, tag_args
 from .file_format import ALLOC, CATEGORIES, FREE, PHASE, PHASES, STEP, Trace
 
@@ -144,7 +146,10 @@ class _Recorder:
             self.op.append(op)
             self.phase_of.append(phase)
             self.step_of.append(self.step)
-            self.category.append(_CAT["unknown"])
+            # A CPU tensor in a meta capture (a host-side scalar such as foreach Adam's
+            # torch.tensor(1.0, device="cpu")) is host memory on a GPU run too.
+            host = self.device.type == "meta" and st.device.type == "cpu"
+            self.category.append(_CAT["host"] if host else _CAT["unknown"])
             if initial:
                 self.initial.append(i)
             else:
@@ -194,11 +199,12 @@ class _CaptureMode(TorchDispatchMode):
     def __init__(self, rec: _Recorder) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is unannotated
         self.rec = rec
+        self.values = MetaValues() if rec.device.type == "meta" else None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = func(*args, **kwargs) if self.values is None else self.values.run(func, args, kwargs)
         rec = self.rec
         outs, _ = tree_flatten(out)
         fresh = [(t, st) for t in outs if (st := _storage_of(t)) is not None]
@@ -216,38 +222,6 @@ class _CaptureMode(TorchDispatchMode):
             if rec.id_of(st) is None and int(st.nbytes()):
                 rec.new_storage(st, t.dtype, name)
         return out
-
-
-def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
-                     scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
-    """``scaled_dot_product_attention`` on meta while capturing. On meta it has no backend to
-    choose and decomposes into the math path, which materialises and saves the L x L attention
-    matrix; a GPU (and the CPU) runs a fused kernel that saves only the output and a
-    log-sum-exp row. So on meta the call goes to the CPU's fused kernel, whose meta
-    implementation allocates exactly that (and meta and cpu captures agree). Registered at the
-    AutogradMeta key for the duration of a capture, so checkpoint recomputations in the
-    backward take the same path; what the fused kernel cannot take goes to the math path, as
-    without it."""
-    fused = (not enable_gqa and query.dim() == 4 and key.dim() == 4 and value.dim() == 4
-             and query.size(-1) == key.size(-1) == value.size(-1)  # the fused kernel's shapes; else math
-             and query.shape[:2] == key.shape[:2] == value.shape[:2]
-             and query.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-             and (attn_mask is None or (not is_causal and not attn_mask.requires_grad)))
-    out: torch.Tensor  # (torch.ops is untyped)
-    if fused:
-        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
-        return out
-    out = torch.ops.aten._scaled_dot_product_attention_math(
-        query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
-    return out
-
-
-def _register_fused_attention() -> Any:
-    lib = torch.library.Library("aten", "IMPL")
-    lib.impl("scaled_dot_product_attention", _fused_attention, "AutogradMeta")
-    return lib
 
 
 def _check_devices(objs: Any, device: torch.device) -> None:
@@ -325,7 +299,7 @@ def _as_device(device: Any) -> torch.device:
 
 def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps: int = 1,
             meta: dict[str, Any] | None = None, checkpoint_blocks: bool | int = False, autocast: Any = None,
-            **kwargs: Any) -> Trace:
+            cuda: CudaChoices | bool = True, **kwargs: Any) -> Trace:
     """Run `steps` training steps and return their allocation trace.
 
     Two forms:
@@ -348,6 +322,12 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
     runs under ``torch.autocast("cuda", dtype=autocast)`` (on cpu: ``"cpu"``), as mixed-precision
     training does. On meta, ``torch.autocast`` regions (these and the step's own) are emulated
     with autocast's CUDA or CPU op lists (``autocast_meta``), since torch has no meta autocast.
+    On meta, the step makes the dispatch choices a CUDA run makes (`cuda`: a ``CudaChoices``,
+    True for all of them on an H100's architecture, False for none, when the capture equals a CPU
+    capture): dropout's bool mask, the optimizer's foreach (or fused) implementation, the
+    attention backend CUDA's rules pick. Small tensors made from constants, ranges and random
+    inputs keep CPU values, so data-dependent Python on them (``.item()``, ``if mask.all():``)
+    runs as on a GPU (``meta_values``).
     Raises ``CaptureError`` (with the step's exception as cause) if the step raises;
     nothing is returned then.
     """
@@ -360,6 +340,10 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
         raise ValueError(f"checkpoint_blocks must be True, False or a number of blocks >= 0, got {checkpoint_blocks!r}")
     if autocast is not None and autocast not in (torch.float16, torch.bfloat16):
         raise ValueError(f"autocast must be torch.bfloat16, torch.float16 or None, got {autocast!r}")
+    if isinstance(cuda, bool):
+        cuda = CudaChoices() if cuda else CudaChoices.off()
+    elif not isinstance(cuda, CudaChoices):
+        raise TypeError(f"cuda must be True, False or a vramkit.trace.CudaChoices, got {type(cuda).__name__}")
     _check_devices((args, kwargs), dev)
     if not _ACTIVE.acquire(blocking=False):
         raise RuntimeError("another vramkit.trace.capture is running in this process; captures cannot nest")
@@ -367,13 +351,13 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
     rec.checkpoint_blocks = checkpoint_blocks
     rec.autocast, rec.autocast_device = autocast, ("cuda" if dev.type == "meta" else "cpu")
     hooks = install_hooks(rec)
-    attention = _register_fused_attention()
     info = dict(meta or {})
     try:
         emulation = emulate_autocast() if dev.type == "meta" else contextlib.nullcontext()
-        with torch.device(dev), emulation:
+        with torch.device(dev), emulation, install_choices(cuda, dev.type):
             tag_args(rec, (args, kwargs))
-            with _CaptureMode(rec):
+            mode = _CaptureMode(rec)
+            with mode, (mode.values.tolist() if mode.values is not None else contextlib.nullcontext()):
                 try:
                     _begin_step(rec)
                     first = _call(step_fn, args, kwargs)
@@ -407,11 +391,13 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
             info["checkpointed_count"] = rec.checkpointed_count
         if autocast is not None:
             info["autocast"] = str(autocast).replace("torch.", "")
+        if dev.type == "meta":
+            info["cuda_choices"] = {"dropout": cuda.dropout, "optimizer": cuda.optimizer, "attention": cuda.attention,
+                                    "arch": f"{cuda.arch[0]}.{cuda.arch[1]}"}
         return _to_trace(rec, info)
     finally:
         for h in hooks:
             h.remove()
-        attention._destroy()
         restore_blocks(rec)
         rec.close()
         _ACTIVE.release()

@@ -2,16 +2,21 @@
 
 The replay loop is C (``_C.trace_replay``): a private ``sim`` pool with vramkit's PyTorch
 policy, of the capacity asked for less the GPU memory that no CPU or meta trace can see. Those
-are explicit line items (``GpuOverheads``), never a hidden factor:
+are explicit line items (``GpuOverheads``, in ``gpu_profiles``; a GPU profile sets them for
+its GPU), never a hidden factor:
 
 * the CUDA context (driver, kernels, cuBLAS/cuDNN handles): outside PyTorch's allocator, so it
   shrinks the memory the allocator can reserve. nvidia-smi shows it next to "reserved";
   300-600 MiB is usual with lazy module loading (CUDA 11.7+), more without; default 512 MiB.
 * the cuBLAS workspace: allocated through PyTorch's caching allocator at the first matmul on a
   stream, so it counts in ``memory_allocated``. PyTorch's default is 4096 KiB x 2 + 16 KiB x 8
-  (8.125 MiB), 32 MiB on Hopper (``CUBLAS_WORKSPACE_CONFIG`` overrides it); default 32 MiB.
+  (8.125 MiB), 32 MiB on Hopper (``CUBLAS_WORKSPACE_CONFIG`` overrides it); default 32 MiB
+  (one); a GPU profile counts two, the forward's thread's and autograd's device thread's.
 * cuDNN workspaces (convolutions; depend on the algorithm chosen at run time) and NCCL
   buffers (distributed training): 0 unless given.
+
+A PyTorch snapshot recorded on a GPU already holds the workspaces (they come from the caching
+allocator), so its replay adds none by default (``recorded_on_gpu``).
 """
 
 from __future__ import annotations
@@ -25,11 +30,11 @@ import numpy as np
 
 from .. import _C
 from .file_format import ALLOC, CATEGORIES, FREE, PHASES, STEP, Trace
+from .gpu_profiles import NO_OVERHEADS, GiB, GpuOverheads, MiB, gpu_profile
 
-__all__ = ["GpuOverheads", "Prediction", "format_size", "parse_size", "replay"]
+__all__ = ["GpuOverheads", "NO_OVERHEADS", "Prediction", "default_overheads", "format_size", "parse_size",
+           "recorded_on_gpu", "replay"]
 
-MiB = 1 << 20
-GiB = 1 << 30
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
           "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _DECIMAL = {"kb", "mb", "gb", "tb"}
@@ -81,38 +86,6 @@ def format_size(n: float) -> str:
     return f"{int(n)} B"
 
 
-@dataclass(frozen=True)
-class GpuOverheads:
-    """GPU memory a CPU or meta trace cannot see (see the module docstring for the figures).
-
-    ``cuda_context`` and ``nccl`` are outside PyTorch's allocator: they reduce the capacity
-    the replay may reserve. ``cublas_workspace`` and ``cudnn_workspace`` come from the
-    allocator: they are allocations added at the start of the first step.
-    """
-
-    cuda_context: int = 512 * MiB
-    cublas_workspace: int = 32 * MiB
-    cudnn_workspace: int = 0
-    nccl: int = 0
-
-    def items(self) -> list[tuple[str, int, str]]:
-        """(name, bytes, where) for each non-zero item; where is "outside" or "allocator"."""
-        out = []
-        for name, where in (("cuda_context", "outside"), ("nccl", "outside"), ("cublas_workspace", "allocator"),
-                            ("cudnn_workspace", "allocator")):
-            value = int(getattr(self, name))
-            if value < 0:
-                raise ValueError(f"GpuOverheads.{name} must be >= 0 bytes, got {value}")
-            if value:
-                out.append((name, value, where))
-        return out
-
-    @property
-    def outside(self) -> int:
-        return sum(b for _, b, where in self.items() if where == "outside")
-
-
-NO_OVERHEADS = GpuOverheads(0, 0, 0, 0)
 
 
 @dataclass
@@ -259,21 +232,47 @@ def _step_at(trace: Trace) -> np.ndarray:
     return np.where(last >= 0, trace.id[np.maximum(last, 0)], -1)
 
 
-def replay(trace: Trace, capacity: Any, alloc_conf: Any = None, *, overheads: GpuOverheads | None = None,
-           include_host: bool = False, top: int = 10, curves: bool = False) -> Prediction:
+def recorded_on_gpu(trace: Trace) -> bool:
+    """Whether `trace` is a PyTorch snapshot recorded on a GPU: its allocations already include
+    the cuBLAS and cuDNN workspaces (they come from the caching allocator), so a replay must not
+    add them again. vramkit's own snapshots of cpu or simulated pools (meta "recorded_on")
+    are not."""
+    if trace.meta.get("source") != "torch-snapshot":
+        return False
+    return not str(trace.meta.get("recorded_on", "cuda")).startswith(("cpu", "sim"))
+
+
+def default_overheads(trace: Trace, gpu: Any = None) -> GpuOverheads:
+    """The line items a replay of `trace` adds by default: the GPU profile's (or
+    ``GpuOverheads()``), without the allocator's workspaces for a trace recorded on a GPU."""
+    base = gpu.overheads() if gpu is not None else GpuOverheads()
+    if recorded_on_gpu(trace):
+        return GpuOverheads(cuda_context=base.cuda_context, cublas_workspace=0, cudnn_workspace=0, nccl=base.nccl)
+    return base
+
+
+def replay(trace: Trace, capacity: Any = None, alloc_conf: Any = None, *, gpu: Any = None,
+           overheads: GpuOverheads | None = None, include_host: bool = False, top: int = 10,
+           curves: bool = False) -> Prediction:
     """Replay `trace` on a simulated device of `capacity` (bytes or "24GiB") with PyTorch's
     allocator policy (`alloc_conf`: PYTORCH_CUDA_ALLOC_CONF-style options, a string or dict)
     and return a ``Prediction``: peaks, whether and where it runs out of memory, the
     fragmentation, and what was live at the peak (or at the OOM) by category and by module.
 
-    `overheads`: the GPU-only line items (``GpuOverheads()`` by default; ``NO_OVERHEADS`` to
-    replay the trace alone). `include_host`: also replay allocations that a GPU run keeps in
+    `gpu`: a GPU profile (``"H100-80GB"``, a ``GpuProfile``; see ``gpu_profiles``): its memory is
+    the capacity unless `capacity` is given, and its line items the default overheads.
+    `overheads`: the GPU-only line items (by default the profile's, else ``GpuOverheads()``;
+    for a PyTorch snapshot recorded on a GPU, without the cuBLAS/cuDNN workspaces, which it
+    already holds; ``NO_OVERHEADS`` to replay the trace alone). `include_host`: also replay allocations that a GPU run keeps in
     host memory (Adam's step counters). `curves`: keep per-event allocated/reserved arrays.
     """
     if not isinstance(trace, Trace):
         raise TypeError(f"trace must be a vramkit.trace.Trace, got {type(trace).__name__}")
-    cap = parse_size(capacity)
-    ov = GpuOverheads() if overheads is None else overheads
+    profile = gpu_profile(gpu) if gpu is not None else None
+    if capacity is None and profile is None:
+        raise TypeError("replay() needs the device's capacity (e.g. \"24GiB\") or a GPU profile (gpu=\"H100-80GB\")")
+    cap = parse_size(capacity) if capacity is not None else profile.total_memory  # type: ignore[union-attr]
+    ov = default_overheads(trace, profile) if overheads is None else overheads
     if not isinstance(ov, GpuOverheads):
         raise TypeError(f"overheads must be a GpuOverheads, got {type(ov).__name__}")
     usable = cap - ov.outside

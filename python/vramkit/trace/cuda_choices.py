@@ -1,0 +1,244 @@
+"""The dispatch choices a CUDA run makes that a meta (or CPU) run makes differently.
+
+ATen and ``torch.optim`` pick implementations by device. On ``meta`` they take the paths a CPU
+takes (or none at all), so a meta capture of a step would predict a CPU's memory, not a GPU's.
+During a meta capture, ``CudaChoices`` makes each choice as CUDA makes it, for a target GPU
+architecture; each is switchable, and with all off (``CudaChoices.off()``) a meta capture
+equals a CPU capture event for event.
+
+* ``dropout``: ``aten::dropout`` (``Dropout.cpp``) calls ``native_dropout`` when
+  ``train && is_fused_kernel_acceptable(input, p)`` — an input on CUDA (or XPU, lazy,
+  privateuse1), ``0 < p < 1``, ``numel > 0``. It saves a **bool** mask. Elsewhere
+  ``_dropout_impl`` draws a noise tensor in the input's dtype (``empty_like`` + ``bernoulli_``)
+  and multiplies by it, and autograd saves the noise: 1 more byte an element in bf16, 3 in fp32.
+  ``dropout_`` (in place) takes the noise path on every device, and so stays as it is.
+* ``optimizer``: ``torch.optim.optimizer._default_to_fused_or_foreach`` picks ``foreach``
+  when every parameter is on a device of ``_get_foreach_kernels_supported_devices()`` (CUDA,
+  XPU, privateuse1 — not meta or CPU) and the optimizer's ``foreach``/``fused`` were left at
+  None; ``fused=True`` is checked against ``_get_fused_kernels_supported_devices()``. During
+  the capture "meta" is added to both lists, so the optimizer runs the implementation it runs
+  on CUDA (foreach's ``_foreach_*`` temporaries, e.g. Adam's ``_foreach_sqrt`` of every
+  ``exp_avg_sq``). Fused kernels without a meta kernel (``_fused_sgd_``, ``_fused_adagrad_``)
+  get a no-op one: they write in place and allocate nothing.
+* ``attention``: ``scaled_dot_product_attention`` on meta has no backend to choose and runs
+  the math path (an L x S attention matrix). On CUDA, ``sdp_utils.cpp`` chooses flash,
+  memory-efficient, cuDNN or math by dtype, head size, mask, GQA and the GPU's architecture:
+  ``sdpa_rules`` follows those rules for ``arch`` and calls the chosen backend's own op, whose
+  meta kernel allocates what the CUDA kernel returns (flash: the output and a float32
+  log-sum-exp row per query; memory-efficient: the same, rows padded to 32; math: the
+  attention matrix, in float32 for fp16/bf16 inputs). With ``attention`` off, torch's own CPU
+  chooser decides (``_fused_sdp_choice`` on stand-in CPU tensors of the same shapes and
+  strides, which allocate no more than one row).
+
+Each choice is installed for one capture and removed after it (``install``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from .sdpa_rules import Backend, cuda_backend
+
+__all__ = ["CudaChoices", "install"]
+
+
+@dataclass(frozen=True)
+class CudaChoices:
+    """Which CUDA dispatch choices a meta capture makes, for which GPU architecture."""
+
+    dropout: bool = True
+    optimizer: bool = True
+    attention: bool = True
+    arch: tuple[int, int] = (9, 0)  # compute capability of the target GPU (H100: 9.0)
+
+    @classmethod
+    def off(cls) -> "CudaChoices":
+        """Meta as the CPU: a meta capture then equals a CPU capture event for event."""
+        return cls(dropout=False, optimizer=False, attention=False)
+
+    def __post_init__(self) -> None:
+        for name in ("dropout", "optimizer", "attention"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"CudaChoices.{name} must be True or False, got {getattr(self, name)!r}")
+        arch = self.arch
+        if (not isinstance(arch, tuple) or len(arch) != 2 or not all(isinstance(v, int) and 0 <= v < 100 for v in arch)):
+            raise ValueError(f"CudaChoices.arch must be a compute capability (major, minor), e.g. (9, 0) for an "
+                             f"H100 or (8, 0) for an A100, got {arch!r}")
+
+
+# ---------------------------------------------------------------------------------- dropout
+
+
+def _dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+    """``aten::dropout`` as on CUDA: the fused ``native_dropout`` (bool mask) whenever
+    ``is_fused_kernel_acceptable``; otherwise ``_dropout_impl``'s early returns."""
+    if input.is_nested or (train and 0.0 < p < 1.0 and input.numel() > 0):
+        out: torch.Tensor = torch.ops.aten.native_dropout(input, p, train)[0]
+        return out
+    if p == 0 or not train or input.numel() == 0:
+        return input
+    return input * torch.zeros((), dtype=input.dtype, device=input.device)  # p == 1
+
+
+# ---------------------------------------------------------------------------------- attention
+
+
+def _bool_mask_to_float(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    # attention.cpp convert_boolean_attn_mask: True keeps, False gets -inf, in the query's dtype.
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.where(mask.logical_not(), torch.tensor(float("-inf"), dtype=dtype, device=mask.device),
+                       torch.tensor(0.0, dtype=dtype, device=mask.device))
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor with `t`'s shape, dtype and last-dim stride, over one row of memory: enough
+    for torch's CPU backend chooser, which reads shapes, strides and dtypes, never values."""
+    strides = [0] * t.dim()
+    if t.dim():
+        strides[-1] = t.stride(-1)
+    row = max(1, (t.size(-1) - 1) * t.stride(-1) + 1) if t.dim() else 1
+    return torch.empty(row, dtype=t.dtype).as_strided(t.shape, strides)
+
+
+def _cpu_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                 dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool) -> Backend:
+    # Outside the capture's dispatch mode: the stand-ins are not the step's allocations.
+    choice: Any
+    with _disable_current_modes():
+        choice = torch.ops.aten._fused_sdp_choice.default(
+            _stand_in(query), _stand_in(key), _stand_in(value), None if mask is None else _stand_in(mask),
+            dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    flash: Any = torch.nn.attention.SDPBackend.FLASH_ATTENTION
+    return "flash" if int(choice) == int(flash) else "math"
+
+
+def _math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
+          is_causal: bool, scale: float | None, enable_gqa: bool, upcast: bool) -> torch.Tensor:
+    dtype = query.dtype
+    if upcast and dtype in (torch.float16, torch.bfloat16):
+        # On CUDA the math path computes in float32 unless allow_fp16_bf16_reduction_math_sdp.
+        query, key, value = query.float(), key.float(), value.float()
+    out: torch.Tensor = torch.ops.aten._scaled_dot_product_attention_math(
+        query, key, value, mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+    return out.to(dtype) if out.dtype != dtype else out
+
+
+def make_attention(choices: CudaChoices | None) -> Any:
+    """The ``scaled_dot_product_attention`` a capture registers at AutogradMeta: the backend CUDA
+    would choose for `choices.arch` (or, with attention off or on a CPU capture, the CPU's)."""
+    on_cuda = choices is not None and choices.attention
+
+    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                  enable_gqa: bool = False) -> torch.Tensor:
+        mask = _bool_mask_to_float(attn_mask, query.dtype)
+        if on_cuda:
+            assert choices is not None
+            backend = cuda_backend(query, key, value, mask, dropout_p, is_causal, enable_gqa, choices.arch,
+                                   grad=torch.is_grad_enabled())
+        else:
+            backend = _cpu_backend(query, key, value, mask, dropout_p, is_causal, scale, enable_gqa)
+        out: torch.Tensor
+        if backend == "flash" and not on_cuda:
+            out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, dropout_p, is_causal, attn_mask=mask, scale=scale)[0]
+            return out
+        if backend == "flash":
+            head = query.size(-1)
+            pad = (-head) % 8  # attention.cpp pads the head dim to a multiple of 8, then slices it back
+            q, k, v = (torch.nn.functional.pad(t, (0, pad)) if pad else t for t in (query, key, value))
+            out = torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, dropout_p, is_causal, False, scale=scale if scale is not None else head ** -0.5)[0]
+            return out[..., :head] if pad else out
+        if backend == "efficient":
+            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+            if mask is not None:
+                mask = _pad_mask(mask, query, key)
+            if key.size(1) != query.size(1):
+                # Grouped-query heads: the CUDA kernel takes them, but the efficient kernel's meta
+                # backward gives k and v gradients of the query's head count; k and v repeated
+                # to the query's heads model it (an over-estimate by those two copies at most).
+                groups = query.size(1) // key.size(1)
+                key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+            out = torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, mask, grad, dropout_p, is_causal, scale=scale)[0]
+            return out
+        if backend == "cudnn":
+            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+            out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                query, key, value, mask, grad, dropout_p, is_causal, False, scale=scale)[0]
+            return out
+        return _math(query, key, value, mask, dropout_p, is_causal, scale, enable_gqa, upcast=on_cuda)
+
+    return attention
+
+
+def _pad_mask(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """attention.cpp preprocess_mask for the memory-efficient kernel: the mask expanded to
+    (B, H, L, S), its last dimension padded to a multiple of 16 (a copy) when it is not."""
+    shape = (query.size(0), query.size(1), query.size(-2), key.size(-2))
+    s = mask.size(-1)
+    if s % 16:
+        padded = torch.nn.functional.pad(mask, (0, (-s) % 16))
+        mask = padded[..., :s]
+    return mask.expand(shape)
+
+
+# ---------------------------------------------------------------------------------- install
+
+
+def _no_op(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def install(choices: CudaChoices | None, device: str) -> Iterator[None]:
+    """Register the capture's kernels for its duration: attention (always, CPU rules unless
+    CUDA's are on), and on meta the chosen CUDA choices."""
+    lib = torch.library.Library("aten", "IMPL")
+    undo: list[Any] = []
+    try:
+        meta_cuda = choices if device == "meta" else None
+        lib.impl("scaled_dot_product_attention", make_attention(meta_cuda), "AutogradMeta")
+        if meta_cuda is not None and meta_cuda.dropout:
+            lib.impl("dropout", _dropout, "AutogradMeta")
+        if meta_cuda is not None and meta_cuda.optimizer:
+            undo.append(_optimizer_devices())
+            for name in ("_fused_sgd_", "_fused_adagrad_"):
+                if hasattr(torch.ops.aten, name) and not torch._C._dispatch_has_kernel_for_dispatch_key(
+                        f"aten::{name}", "Meta"):
+                    for overload in getattr(torch.ops.aten, name).overloads():
+                        lib.impl(f"{name}.{overload}" if overload != "default" else name, _no_op, "Meta")
+        yield
+    finally:
+        for restore in reversed(undo):
+            restore()
+        lib._destroy()
+
+
+def _optimizer_devices() -> Any:
+    """Add "meta" to torch.optim's foreach and fused device lists; return the undo."""
+    from torch.optim import optimizer as opt_module
+
+    # Looked up in optimizer.py's globals at each call (by _default_to_fused_or_foreach and
+    # _device_dtype_check_for_fused), so replacing them there reaches every optimizer.
+    names = ("_get_foreach_kernels_supported_devices", "_get_fused_kernels_supported_devices")
+    originals = {name: getattr(opt_module, name) for name in names}
+
+    def with_meta(original: Any) -> Any:
+        return lambda: [*original(), "meta"]
+
+    for name in names:
+        setattr(opt_module, name, with_meta(originals[name]))
+
+    def restore() -> None:
+        for name in names:
+            setattr(opt_module, name, originals[name])
+
+    return restore

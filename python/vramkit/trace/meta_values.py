@@ -1,0 +1,236 @@
+"""Values for the small tensors of a meta capture, so data-dependent Python runs as on a GPU.
+
+A meta tensor has a shape but no values, so ``.item()``, ``bool(t)``, ``t.tolist()`` and ops
+whose output shape depends on values (``nonzero``, boolean-mask indexing) fail on it. Training
+code does this on small tensors that do not depend on the weights: Hugging Face's mask
+utilities ask ``(packed_sequence_mask[:, -1] == 0).all()`` of position ids built with
+``arange``, losses count labels that are not ``-100``, models check that an attention mask is
+all ones. Tracing such a model under ``FakeTensorMode`` instead makes the libraries take their
+tracing paths (Hugging Face then builds an explicit packed-sequence mask that a GPU run never
+builds), so the prediction would no longer be of the step a GPU runs.
+
+So a meta capture keeps a CPU copy of every small tensor (at most ``LIMIT_BYTES``) whose
+inputs all have values: factories (``arange``, ``ones``, ``full``, ``randint``, ``tensor``),
+then any op on such tensors. A random factory draws from a private generator, so the user's
+RNG stream is untouched; its values are random but within the op's range, as a real batch's
+are. An op that writes into a tensor with a value either updates the copy (when all its inputs
+have values) or drops the copies of everything sharing that storage. Outputs larger than the
+limit, and anything computed from the weights, have no value: a data-dependent question about
+one raises ``DataDependentError`` saying which op's output it was and what a capture needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Iterator
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["DataDependentError", "MetaValues", "LIMIT_BYTES"]
+
+LIMIT_BYTES = 16 << 20  # per tensor: ids, positions and masks of real batches fit; activations do not
+
+_SCALAR = torch.ops.aten._local_scalar_dense.default  # what .item(), bool(), int(), tolist() reach
+
+
+class DataDependentError(RuntimeError):
+    """A meta capture met a question about a tensor's values that it cannot answer."""
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    try:
+        return int(t.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+class MetaValues:
+    """The CPU values of a capture's small meta tensors (see the module docstring)."""
+
+    def __init__(self, limit_bytes: int = LIMIT_BYTES) -> None:
+        self.limit = limit_bytes
+        # id(meta tensor) -> (weak ref to it, its CPU value). The weak ref both tells a reused id
+        # apart and drops the entry when the tensor dies.
+        self.values: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+        self.by_storage: dict[int, set[int]] = {}  # meta storage -> ids of tensors with values on it
+        self.origin: dict[int, str] = {}  # meta storage -> the op that made it without a value
+        self.generator = torch.Generator().manual_seed(0)
+        self.computed = 0  # ops run on CPU copies (for tests and the guide's cost figure)
+
+    # ---------------------------------------------------------------- lookup
+
+    def value(self, t: Any) -> torch.Tensor | None:
+        if not isinstance(t, torch.Tensor):
+            return None
+        if t.device.type != "meta":
+            return t  # a real tensor in a meta capture (a CPU scalar, a step count) is its own value
+        entry = self.values.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return None
+        return entry[1]
+
+    def _set(self, t: torch.Tensor, value: torch.Tensor) -> None:
+        key = id(t)
+        storage = _storage_key(t)
+
+        def forget(_: Any, key: int = key, storage: int | None = storage) -> None:
+            entry = self.values.get(key)
+            if entry is not None and entry[0]() is None:
+                del self.values[key]
+            if storage is not None:
+                ids = self.by_storage.get(storage)
+                if ids is not None:
+                    ids.discard(key)
+                    if not ids:
+                        del self.by_storage[storage]
+
+        self.values[key] = (weakref.ref(t, forget), value)
+        if storage is not None:
+            self.by_storage.setdefault(storage, set()).add(key)
+
+    def _drop_storage(self, t: torch.Tensor, op: str) -> None:
+        storage = _storage_key(t)
+        if storage is None:
+            return
+        for key in self.by_storage.pop(storage, set()):
+            self.values.pop(key, None)
+        self.origin[storage] = op
+
+    @contextlib.contextmanager
+    def tolist(self) -> Iterator[None]:
+        """``Tensor.tolist`` reads storage without an op (the dispatch mode never sees it) and
+        refuses meta; for the capture's duration, a meta tensor with a value answers from it."""
+        original = torch.Tensor.tolist
+        values = self
+
+        def tolist(t: torch.Tensor) -> Any:
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                value = values.value(t)
+                if value is None:
+                    raise values._error(t, "its values (.tolist())")
+                return value.tolist()
+            return original(t)
+
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign,assignment]
+        try:
+            yield
+        finally:
+            torch.Tensor.tolist = original  # type: ignore[method-assign]
+
+    # ---------------------------------------------------------------- dispatch
+
+    def run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run `func` on the meta arguments, computing values alongside where it can; answer
+        data-dependent ops from values."""
+        name = func._schema.name
+        flat, _ = tree_flatten((args, kwargs))
+        metas = [t for t in flat if isinstance(t, torch.Tensor) and t.device.type == "meta"]
+        known = all(self.value(t) is not None for t in metas)
+        if func is _SCALAR:
+            (t,) = metas or [args[0]]
+            value = self.value(t)
+            if value is None:
+                raise self._error(t, "its value (.item(), bool(), int() or .tolist())")
+            return value.item()
+        try:
+            out = func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError) as exc:
+            # Meta cannot run an op whose output shape depends on values (nonzero, masked_select,
+            # unique): with the inputs' values, the CPU result gives the shape.
+            if not metas or not known:
+                unknown = next((t for t in metas if self.value(t) is None), None)
+                if unknown is not None and _is_data_dependent(exc):
+                    raise self._error(unknown, f"the values of its elements ({name} on meta)") from exc
+                raise
+            cpu_out = self._compute(func, args, kwargs)
+            out = tree_map(lambda v: torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+                           if isinstance(v, torch.Tensor) else v, cpu_out)
+            self._attach(out, cpu_out)
+            return out
+        mutated = _mutated(func, args, kwargs)
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.device.type == "meta"]
+        small = all(t.numel() * t.element_size() <= self.limit for t in outs + mutated)
+        if known and small and (outs or mutated):
+            try:
+                cpu_out = self._compute(func, args, kwargs)
+            except Exception:  # noqa: BLE001 -- a value we cannot compute is a value we do not have
+                cpu_out = None
+            if cpu_out is not None:
+                if not mutated:  # an in-place op has already updated the CPU copies it wrote
+                    self._attach(out, cpu_out)
+                return out
+        for t in mutated:
+            self._drop_storage(t, name)
+        for t in outs:
+            storage = _storage_key(t)
+            if storage is not None and storage not in self.by_storage:
+                self.origin.setdefault(storage, name)
+        return out
+
+    def _compute(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        def to_cpu(v: Any) -> Any:
+            if isinstance(v, torch.Tensor):
+                return self.value(v)
+            if isinstance(v, torch.device) and v.type == "meta":
+                return torch.device("cpu")
+            return v
+
+        cpu_args, cpu_kwargs = tree_map(to_cpu, (args, kwargs))
+        if cpu_kwargs.get("device") == "meta":
+            cpu_kwargs["device"] = torch.device("cpu")
+        self.computed += 1
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            # Random factories draw from our own generator: the user's RNG stream is not touched.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(int(torch.randint(1 << 62, (1,), generator=self.generator)))
+                return func(*cpu_args, **cpu_kwargs)
+        return func(*cpu_args, **cpu_kwargs)
+
+    def _attach(self, out: Any, cpu_out: Any) -> None:
+        metas, _ = tree_flatten(out)
+        cpus, _ = tree_flatten(cpu_out)
+        if len(metas) != len(cpus):
+            return
+        for m, c in zip(metas, cpus):
+            if isinstance(m, torch.Tensor) and isinstance(c, torch.Tensor) and m.device.type == "meta" \
+                    and m.shape == c.shape:
+                self._set(m, c)
+
+    def _error(self, t: torch.Tensor, what: str) -> DataDependentError:
+        storage = _storage_key(t)
+        made_by = self.origin.get(storage, "") if storage is not None else ""
+        size = t.numel() * t.element_size()
+        why = (f"it is {size:,} bytes, above the {self.limit >> 20} MiB up to which a meta capture keeps values"
+               if size > self.limit else
+               "it was computed from tensors without values (the weights, or a tensor made without data)")
+        return DataDependentError(
+            f"the step needs {what} of a meta tensor of shape {tuple(t.shape)} made by {made_by or 'an op'}, and {why}. "
+            "A meta capture knows the values of small tensors made from constants, ranges and random inputs "
+            "(ids, positions, masks), not of activations; capture a scaled-down copy of the model with "
+            "device='cpu', or make the step's shapes independent of those values (see the guide: "
+            "docs/will-it-fit.md, 'Models with data-dependent shapes')")
+
+
+def _mutated(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The meta tensors `func` writes into (in-place and out= arguments), from its schema."""
+    out: list[torch.Tensor] = []
+    schema = func._schema
+    if not schema.is_mutable:
+        return out
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write:
+            continue
+        value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
+        for t in tree_flatten(value)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                out.append(t)
+    return out
+
+
+def _is_data_dependent(exc: BaseException) -> bool:
+    text = str(exc)
+    return any(s in text for s in ("meta tensors", "data-dependent", "Meta' backend", "meta backend",
+                                   "data dependent"))

@@ -1,0 +1,92 @@
+"""GPU profiles (vramkit.trace.gpu_profiles) and the line items a replay adds: a profile sets
+the capacity, the CUDA context, the cuBLAS workspaces and the architecture of the capture's
+dispatch choices; a PyTorch snapshot recorded on a GPU gets no workspace it already holds."""
+
+from __future__ import annotations
+
+import pytest
+
+import vramkit.trace as vt
+from vramkit.trace.gpu_profiles import PROFILES, GpuProfile, gpu_profile
+from vramkit.trace.replay_sim import MiB, default_overheads
+from vramkit.trace.snapshot_import import from_torch_snapshot
+
+from torch_snapshots import alloc, block, free, live, segment, segment_alloc, snapshot
+
+HOPPER_WS = 4096 * 8 * 1024  # CublasHandlePool.cpp: 32 MiB on compute capability 9.x
+OTHER_WS = 4096 * 1024 * 2 + 16 * 1024 * 8  # ":4096:2:16:8" elsewhere
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("H100-80GB", "H100-80GB"), ("h100", "H100-80GB"), ("A100_40GB", "A100-40GB"), ("a100", "A100-80GB"),
+    ("l4", "L4"), ("RTX-4090", "RTX-4090"), ("rtx4090", "RTX-4090"),
+])
+def test_profile_names(name, expected):
+    assert gpu_profile(name).name == expected
+
+
+def test_profile_facts():
+    h100, a100, l4 = PROFILES["H100-80GB"], PROFILES["A100-40GB"], PROFILES["L4"]
+    assert h100.compute_capability == (9, 0) and h100.bf16 and h100.flash_attention
+    assert h100.cublas_workspace == 2 * HOPPER_WS  # the forward's thread and autograd's
+    assert a100.total_memory == 42_505_273_344 and a100.cublas_workspace == 2 * OTHER_WS
+    assert l4.compute_capability == (8, 9) and l4.cuda_choices().arch == (8, 9)
+    old = GpuProfile("T4", 15 << 30, (7, 5))
+    assert not old.bf16 and not old.flash_attention
+    for p in PROFILES.values():  # below the marketing size, as totalGlobalMem is
+        marketed = int(p.name.split("-")[-1].rstrip("GB")) if p.name[-2:] == "GB" else 24
+        assert 0.9 * marketed * 1e9 < p.total_memory < marketed * (1 << 30) or p.name == "L4"
+
+
+def test_unknown_profile_names_the_known_ones():
+    with pytest.raises(ValueError, match="H100-80GB, A100-80GB"):
+        gpu_profile("B200")
+    with pytest.raises(TypeError):
+        gpu_profile(80)
+
+
+def test_current_without_a_gpu_says_so():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        assert gpu_profile("current").total_memory == torch.cuda.get_device_properties(0).total_memory
+    else:
+        with pytest.raises(ValueError, match="no CUDA device"):
+            gpu_profile("current")
+
+
+def eight_mib_snapshot() -> dict:
+    """One 8 MiB block allocated and freed, as a GPU run records it."""
+    a = 0x7F00_0000_0000
+    return snapshot([[segment_alloc(a, 8 * MiB), alloc(a, 8 * MiB), free(a, 8 * MiB)]],
+                    [segment(a, [block(8 * MiB)])])
+
+
+def test_a_recorded_gpu_snapshot_gets_no_workspace_line_item():
+    t = from_torch_snapshot(eight_mib_snapshot())
+    for gpu in (None, "H100-80GB"):
+        pred = vt.replay(t, "80GiB", gpu=gpu)
+        assert pred.peak_allocated == 8 * MiB  # not 8 MiB + the cuBLAS workspace
+        assert default_overheads(t, gpu_profile(gpu) if gpu else None).cublas_workspace == 0
+
+
+def test_a_capture_gets_the_profiles_line_items():
+    torch = pytest.importorskip("torch")
+
+    def build():
+        w = torch.empty(1 << 20)
+
+        def step():
+            (w * 2).sum()
+
+        return step
+
+    t = vt.capture(build, device="meta")
+    bare = vt.replay(t, "80GiB", overheads=vt.NO_OVERHEADS)
+    h100 = vt.replay(t, gpu="H100-80GB")
+    assert h100.capacity == PROFILES["H100-80GB"].total_memory
+    assert h100.usable == h100.capacity - 512 * MiB  # the CUDA context, outside the allocator
+    assert h100.peak_allocated == bare.peak_allocated + 2 * HOPPER_WS
+    l4 = vt.replay(t, "20GiB", gpu="L4")  # a capacity given overrides the profile's
+    assert l4.capacity == 20 << 30 and l4.peak_allocated == bare.peak_allocated + 2 * OTHER_WS
+    with pytest.raises(TypeError, match="capacity"):
+        vt.replay(t)
