@@ -115,13 +115,24 @@ def test_foreach_adam_holds_a_sqrt_of_every_exp_avg_sq_at_once():
     assert "aten::_foreach_sqrt" not in {loop.name_of("ops", int(i)) for i in loop.alloc_op}
 
 
-def test_fused_sgd_without_a_meta_kernel_gets_one_for_the_capture():
-    build = mlp_builder(NativeDropout, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True))
-    meta = vt.capture(build, device="meta", steps=2, cuda=ONLY_OPTIMIZER)
-    assert_same_events(meta, vt.capture(build, device="cpu", steps=2))
-    with pytest.raises(vt.CaptureError):  # without the choice, meta has no fused SGD
-        vt.capture(build, device="meta", steps=2, cuda=False)
-    assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_sgd_", "Meta")  # removed after
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True),
+    lambda p: torch.optim.Adam(p, lr=torch.tensor(1e-3), fused=True),  # the tensor_lr overload
+    lambda p: torch.optim.Adagrad(p, fused=True),
+], ids=["sgd", "adam-tensor-lr", "adagrad"])
+def test_fused_optimizers_without_a_meta_kernel_get_one_for_the_capture(make):
+    """fused=True is the step's own choice: it runs on meta with CUDA's choices on or off."""
+    build = mlp_builder(NativeDropout, make)
+    cpu = vt.capture(build, device="cpu", steps=2)
+    for cuda in (ONLY_OPTIMIZER, False):
+        meta = vt.capture(build, device="meta", steps=2, cuda=cuda)
+        # The steps, event for event (a tensor lr made from Python data in the setup is seen
+        # at its first use on meta and on cpu at different points).
+        fm, fc = (int(np.flatnonzero(t.kind == vt.STEP)[0]) for t in (meta, cpu))
+        for col in ("kind", "size"):
+            np.testing.assert_array_equal(getattr(meta, col)[fm:], getattr(cpu, col)[fc:], err_msg=col)
+    for name in ("aten::_fused_sgd_", "aten::_fused_adagrad_", "aten::_fused_adam_.tensor_lr"):
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta")  # removed after
 
 
 # ---------------------------------------------------------------------------------- attention
@@ -151,6 +162,7 @@ MASK = torch.empty(128, 128, device="meta")
     ("head size 200 with grad on sm90", H100, {"d": 200}, "flash"),
     ("head size 60: not a multiple of 8 for efficient", H100, {"d": 60, "mask": MASK}, "math"),
     ("causal with more queries than keys", H100, {"L": 128, "S": 64, "causal": True}, "efficient"),
+    ("causal with fewer queries than keys", H100, {"L": 64, "S": 128, "causal": True}, "efficient"),
     ("bf16 on a T4: neither fused kernel", T4, {}, "math"),
     ("fp16 on a T4", T4, {"dtype": torch.float16}, "efficient"),
     ("fp32 on a V100", V100, {"dtype": torch.float32}, "efficient"),

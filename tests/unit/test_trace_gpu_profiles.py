@@ -18,7 +18,7 @@ OTHER_WS = 4096 * 1024 * 2 + 16 * 1024 * 8  # ":4096:2:16:8" elsewhere
 
 
 @pytest.mark.parametrize("name, expected", [
-    ("H100-80GB", "H100-80GB"), ("h100", "H100-80GB"), ("A100_40GB", "A100-40GB"), ("a100", "A100-80GB"),
+    ("H100-80GB", "H100-80GB"), ("h100", "H100-80GB"), ("A100_40GB", "A100-40GB"), ("a100-80gb", "A100-80GB"),
     ("l4", "L4"), ("RTX-4090", "RTX-4090"), ("rtx4090", "RTX-4090"),
 ])
 def test_profile_names(name, expected):
@@ -41,6 +41,8 @@ def test_profile_facts():
 def test_unknown_profile_names_the_known_ones():
     with pytest.raises(ValueError, match="H100-80GB, A100-80GB"):
         gpu_profile("B200")
+    with pytest.raises(ValueError, match="A100-80GB or A100-40GB"):
+        gpu_profile("a100")  # two sizes: no guess
     with pytest.raises(TypeError):
         gpu_profile(80)
 

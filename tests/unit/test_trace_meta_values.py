@@ -139,3 +139,66 @@ def test_random_inputs_draw_in_range_without_touching_the_users_rng():
     assert torch.equal(state, torch.random.get_rng_state())
     lo, hi = drawn[0]
     assert 3 <= lo <= hi < 50
+
+
+def test_python_data_has_values():
+    seen = []
+
+    def build():
+        labels = torch.tensor([3, -100, 5, -100])
+
+        def step():
+            seen.append((torch.tensor(5).item(), labels.tolist(), int((labels != -100).sum())))
+
+        return step
+
+    vt.capture(build, device="meta")
+    assert seen == [(5, [3, -100, 5, -100], 2)]
+
+
+def test_cpu_copies_of_known_values_are_real_cpu_tensors():
+    out = []
+
+    def build():
+        ids = torch.arange(6)
+
+        def step():
+            host = ids.cpu()  # what a GPU run gets: data on the host
+            out.append((host.device.type, host.numpy().tolist()))
+
+        return step
+
+    vt.capture(build, device="meta")
+    assert out == [("cpu", [0, 1, 2, 3, 4, 5])]
+
+
+def test_the_users_generators_are_untouched():
+    g = torch.Generator().manual_seed(1)
+    before_g, before_cpu = g.get_state(), torch.random.get_rng_state()
+
+    def build():
+        x = torch.randint(0, 10, (4,), generator=g)
+
+        def step():
+            return x.tolist()
+
+        return step
+
+    vt.capture(build, device="meta")
+    assert torch.equal(g.get_state(), before_g) and torch.equal(torch.random.get_rng_state(), before_cpu)
+
+
+def test_in_place_foreach_ops_keep_values():
+    seen = []
+
+    def build():
+        tensors = [torch.arange(3).float(), torch.arange(2).float()]
+
+        def step():
+            torch._foreach_mul_(tensors, 2.0)
+            seen.append(tensors[0].tolist())
+
+        return step
+
+    vt.capture(build, device="meta")
+    assert seen == [[0.0, 2.0, 4.0]]

@@ -199,7 +199,12 @@ class _CaptureMode(TorchDispatchMode):
     def __init__(self, rec: _Recorder) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is unannotated
         self.rec = rec
-        self.values = MetaValues() if rec.device.type == "meta" else None
+        self.values = MetaValues(origin_of=self._origin) if rec.device.type == "meta" else None
+
+    def _origin(self, t: torch.Tensor) -> str:
+        st = _storage_of(t)
+        i = self.rec.id_of(st) if st is not None else None
+        return self.rec.op[i] if i is not None else ""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -357,7 +362,9 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
         with torch.device(dev), emulation, install_choices(cuda, dev.type):
             tag_args(rec, (args, kwargs))
             mode = _CaptureMode(rec)
-            with mode, (mode.values.tolist() if mode.values is not None else contextlib.nullcontext()):
+            values = mode.values
+            with mode, (values.tolist() if values is not None else contextlib.nullcontext()), \
+                    (values.python_data() if values is not None else contextlib.nullcontext()):
                 try:
                     _begin_step(rec)
                     first = _call(step_fn, args, kwargs)
@@ -391,6 +398,11 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
             info["checkpointed_count"] = rec.checkpointed_count
         if autocast is not None:
             info["autocast"] = str(autocast).replace("torch.", "")
+        # Whether an optimizer left its implementation to torch (foreach and fused None): on
+        # CUDA it then runs foreach, and foreach=False is a change `fit` can suggest.
+        info["optimizer_default_implementation"] = any(
+            g.get("foreach") is None and not g.get("fused") and not g.get("differentiable")
+            for ref in rec.optimizers if (o := ref()) is not None for g in getattr(o, "param_groups", ()))
         if dev.type == "meta":
             info["cuda_choices"] = {"dropout": cuda.dropout, "optimizer": cuda.optimizer, "attention": cuda.attention,
                                     "arch": f"{cuda.arch[0]}.{cuda.arch[1]}"}

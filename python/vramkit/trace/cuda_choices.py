@@ -16,10 +16,12 @@ equals a CPU capture event for event.
   when every parameter is on a device of ``_get_foreach_kernels_supported_devices()`` (CUDA,
   XPU, privateuse1 — not meta or CPU) and the optimizer's ``foreach``/``fused`` were left at
   None; ``fused=True`` is checked against ``_get_fused_kernels_supported_devices()``. During
-  the capture "meta" is added to both lists, so the optimizer runs the implementation it runs
-  on CUDA (foreach's ``_foreach_*`` temporaries, e.g. Adam's ``_foreach_sqrt`` of every
-  ``exp_avg_sq``). Fused kernels without a meta kernel (``_fused_sgd_``, ``_fused_adagrad_``)
-  get a no-op one: they write in place and allocate nothing.
+  the capture "meta" is added to the foreach list, so the optimizer runs the implementation it
+  runs on CUDA (foreach's ``_foreach_*`` temporaries, e.g. Adam's ``_foreach_sqrt`` of every
+  ``exp_avg_sq``). ``fused=True`` is the step's own choice and runs on meta whatever the
+  choices: "meta" joins the fused list, and fused kernels without a meta kernel
+  (``_fused_sgd_``, ``_fused_adagrad_``, the ``tensor_lr`` overloads) get a no-op one for the
+  capture: they write in place and allocate nothing.
 * ``attention``: ``scaled_dot_product_attention`` on meta has no backend to choose and runs
   the math path (an L x S attention matrix). On CUDA, ``sdp_utils.cpp`` chooses flash,
   memory-efficient, cuDNN or math by dtype, head size, mask, GQA and the GPU's architecture:
@@ -119,14 +121,12 @@ def _cpu_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
 
 
 def _math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
-          is_causal: bool, scale: float | None, enable_gqa: bool, upcast: bool) -> torch.Tensor:
-    dtype = query.dtype
-    if upcast and dtype in (torch.float16, torch.bfloat16):
-        # On CUDA the math path computes in float32 unless allow_fp16_bf16_reduction_math_sdp.
-        query, key, value = query.float(), key.float(), value.float()
+          is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    # The math kernel itself computes fp16/bf16 in float32 (unless
+    # allow_fp16_bf16_reduction_math_sdp) and casts the result back, on every device.
     out: torch.Tensor = torch.ops.aten._scaled_dot_product_attention_math(
         query, key, value, mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
-    return out.to(dtype) if out.dtype != dtype else out
+    return out
 
 
 def make_attention(choices: CudaChoices | None) -> Any:
@@ -174,23 +174,26 @@ def make_attention(choices: CudaChoices | None) -> Any:
             out = torch.ops.aten._scaled_dot_product_cudnn_attention(
                 query, key, value, mask, grad, dropout_p, is_causal, False, scale=scale)[0]
             return out
-        return _math(query, key, value, mask, dropout_p, is_causal, scale, enable_gqa, upcast=on_cuda)
+        return _math(query, key, value, mask, dropout_p, is_causal, scale, enable_gqa)
 
     return attention
 
 
 def _pad_mask(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """attention.cpp preprocess_mask for the memory-efficient kernel: the mask expanded to
-    (B, H, L, S), its last dimension padded to a multiple of 16 (a copy) when it is not."""
-    shape = (query.size(0), query.size(1), query.size(-2), key.size(-2))
-    s = mask.size(-1)
-    if s % 16:
-        padded = torch.nn.functional.pad(mask, (0, (-s) % 16))
-        mask = padded[..., :s]
-    return mask.expand(shape)
+    """attention.cpp preprocess_mask for the memory-efficient kernel: a mask whose strides are
+    not multiples of 8 (or whose last stride is not 1) is padded by 8 - S % 8 columns (a copy)
+    and sliced back; then expanded to (B, H, L, S)."""
+    aligned = all(mask.stride(i) % 8 == 0 for i in range(mask.dim() - 1)) and mask.stride(-1) == 1
+    if not aligned:
+        s = mask.size(-1)
+        mask = torch.nn.functional.pad(mask, (0, 8 - s % 8))[..., :s]
+    return mask.expand(query.size(0), query.size(1), query.size(-2), key.size(-2))
 
 
 # ---------------------------------------------------------------------------------- install
+
+
+_FUSED_OPTIMIZERS = ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_")
 
 
 def _no_op(*args: Any, **kwargs: Any) -> None:
@@ -208,13 +211,17 @@ def install(choices: CudaChoices | None, device: str) -> Iterator[None]:
         lib.impl("scaled_dot_product_attention", make_attention(meta_cuda), "AutogradMeta")
         if meta_cuda is not None and meta_cuda.dropout:
             lib.impl("dropout", _dropout, "AutogradMeta")
-        if meta_cuda is not None and meta_cuda.optimizer:
-            undo.append(_optimizer_devices())
-            for name in ("_fused_sgd_", "_fused_adagrad_"):
-                if hasattr(torch.ops.aten, name) and not torch._C._dispatch_has_kernel_for_dispatch_key(
-                        f"aten::{name}", "Meta"):
+        if device == "meta":
+            # fused=True is the step's own choice, not a default: on meta it runs whatever the
+            # choices, with a no-op meta kernel (they write in place, allocate nothing) for each
+            # fused optimizer overload that has none (_fused_sgd_, _fused_adagrad_, tensor_lr forms).
+            undo.append(_optimizer_devices(foreach=meta_cuda is not None and meta_cuda.optimizer))
+            for name in _FUSED_OPTIMIZERS:
+                if hasattr(torch.ops.aten, name):  # (torch.ops.aten loads ops on first access)
                     for overload in getattr(torch.ops.aten, name).overloads():
-                        lib.impl(f"{name}.{overload}" if overload != "default" else name, _no_op, "Meta")
+                        full = name if overload == "default" else f"{name}.{overload}"
+                        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{full}", "Meta"):
+                            lib.impl(full, _no_op, "Meta")
         yield
     finally:
         for restore in reversed(undo):
@@ -222,13 +229,14 @@ def install(choices: CudaChoices | None, device: str) -> Iterator[None]:
         lib._destroy()
 
 
-def _optimizer_devices() -> Any:
-    """Add "meta" to torch.optim's foreach and fused device lists; return the undo."""
+def _optimizer_devices(foreach: bool) -> Any:
+    """Add "meta" to torch.optim's fused device list, and with `foreach` to its foreach list;
+    return the undo."""
     from torch.optim import optimizer as opt_module
 
     # Looked up in optimizer.py's globals at each call (by _default_to_fused_or_foreach and
     # _device_dtype_check_for_fused), so replacing them there reaches every optimizer.
-    names = ("_get_foreach_kernels_supported_devices", "_get_fused_kernels_supported_devices")
+    names = ("_get_foreach_kernels_supported_devices",) * foreach + ("_get_fused_kernels_supported_devices",)
     originals = {name: getattr(opt_module, name) for name in names}
 
     def with_meta(original: Any) -> Any:

@@ -329,7 +329,10 @@ def fit(build: Callable[..., Any], capacity: Any = None, *, gpu: Any = None, bat
                                                                 report.target)
     if batch_size is not None and report.target is not None and not report.target.fits:  # (target: batch_size set)
         written, _ = traces.get(batch_size, {**capture_options, "checkpoint_blocks": False, "autocast": None})
-        foreach = any(op.startswith("aten::_foreach_") for op in written.ops)
+        # foreach=False is a change only where an optimizer left its implementation to torch and
+        # the capture made CUDA's choice for it (foreach).
+        foreach = (bool(written.meta.get("optimizer_default_implementation"))
+                   and bool(written.meta.get("cuda_choices", {}).get("optimizer")))
         report.suggestions = _suggest(probe, batch_size, report.target, alloc_conf, foreach,
                                       bf16=profile is None or profile.bf16)
     plain = _options_key(capture_options)
@@ -454,7 +457,8 @@ def _try(probe: Callable[..., Probe], target: int, alloc_conf: Any, combo: tuple
     else:
         sizes = [(target, 1)]
     for micro, k in sizes:
-        p = probe(micro, alloc_conf, ckpt, amp, loop)
+        more = {"loop": True} if loop else {}  # (a probe without the loop option still serves the rest)
+        p = probe(micro, alloc_conf, ckpt, amp, **more)
         if not p.fits:
             continue
         count = total = p.prediction.checkpointed_count
@@ -463,7 +467,7 @@ def _try(probe: Callable[..., Probe], target: int, alloc_conf: Any, combo: tuple
             lo, hi = 0, total  # checkpointing lo blocks does not fit (0: nothing known), hi does
             while hi - lo > 1:
                 mid = (lo + hi) // 2
-                q = probe(micro, alloc_conf, mid, amp, loop)
+                q = probe(micro, alloc_conf, mid, amp, **more)
                 if q.fits:
                     hi, p = mid, q
                 else:

@@ -131,7 +131,8 @@ def _current() -> GpuProfile:
 
 
 def gpu_profile(name: Any) -> GpuProfile:
-    """The profile called `name` (case and separators ignored: "h100", "H100-80GB", "a100_40gb"),
+    """The profile called `name` (case and separators ignored: "H100-80GB", "a100_40gb", "h100"
+    where one size exists),
     "current" for this machine's GPU, or a ``GpuProfile`` itself."""
     if isinstance(name, GpuProfile):
         return name
@@ -142,7 +143,12 @@ def gpu_profile(name: Any) -> GpuProfile:
         return _current()
     for profile in PROFILES.values():
         full = profile.name.lower()
-        if key == full or (key == full.split("-")[0] and full.endswith("80gb")) or key == full.replace("-", ""):
+        if key in (full, full.replace("-", "")):
             return profile
+    family = [p.name for p in PROFILES.values() if p.name.lower().split("-")[0] == key]
+    if len(family) == 1:
+        return PROFILES[family[0]]
+    if family:  # "a100": 40 or 80 GB; a guess would predict for twice (or half) the memory
+        raise ValueError(f"GPU {name!r} comes in several sizes: say which, {' or '.join(family)}")
     raise ValueError(f"unknown GPU {name!r}: known profiles are {', '.join(PROFILES)} (or 'current' for this "
                      "machine's GPU); for another GPU give its memory with --device-memory")

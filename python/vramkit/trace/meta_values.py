@@ -10,10 +10,12 @@ tracing paths (Hugging Face then builds an explicit packed-sequence mask that a 
 builds), so the prediction would no longer be of the step a GPU runs.
 
 So a meta capture keeps a CPU copy of every small tensor (at most ``LIMIT_BYTES``) whose
-inputs all have values: factories (``arange``, ``ones``, ``full``, ``randint``, ``tensor``),
-then any op on such tensors. A random factory draws from a private generator, so the user's
-RNG stream is untouched; its values are random but within the op's range, as a real batch's
-are. An op that writes into a tensor with a value either updates the copy (when all its inputs
+inputs all have values: factories (``arange``, ``ones``, ``full``, ``randint``), tensors made
+from Python data (``torch.tensor([...])``, which dispatches no op: a function mode sees it),
+then any op on such tensors. A random op draws from a seed of a private generator, with the CPU
+generator's state restored after it (and a step's own ``generator=`` replaced by the private
+one), so the user's generators are untouched; its values are random but within the op's range,
+as a real batch's are. An op that writes into a tensor with a value either updates the copy (when all its inputs
 have values) or drops the copies of everything sharing that storage. Outputs larger than the
 limit, and anything computed from the weights, have no value: a data-dependent question about
 one raises ``DataDependentError`` saying which op's output it was and what a capture needs.
@@ -23,9 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["DataDependentError", "MetaValues", "LIMIT_BYTES"]
@@ -49,13 +53,13 @@ def _storage_key(t: torch.Tensor) -> int | None:
 class MetaValues:
     """The CPU values of a capture's small meta tensors (see the module docstring)."""
 
-    def __init__(self, limit_bytes: int = LIMIT_BYTES) -> None:
+    def __init__(self, limit_bytes: int = LIMIT_BYTES, origin_of: Callable[[torch.Tensor], str] | None = None) -> None:
         self.limit = limit_bytes
+        self.origin_of = origin_of  # the op that made a tensor (the capture's record), for messages
         # id(meta tensor) -> (weak ref to it, its CPU value). The weak ref both tells a reused id
         # apart and drops the entry when the tensor dies.
         self.values: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
         self.by_storage: dict[int, set[int]] = {}  # meta storage -> ids of tensors with values on it
-        self.origin: dict[int, str] = {}  # meta storage -> the op that made it without a value
         self.generator = torch.Generator().manual_seed(0)
         self.computed = 0  # ops run on CPU copies (for tests and the guide's cost figure)
 
@@ -90,13 +94,12 @@ class MetaValues:
         if storage is not None:
             self.by_storage.setdefault(storage, set()).add(key)
 
-    def _drop_storage(self, t: torch.Tensor, op: str) -> None:
+    def _drop_storage(self, t: torch.Tensor) -> None:
         storage = _storage_key(t)
         if storage is None:
             return
         for key in self.by_storage.pop(storage, set()):
             self.values.pop(key, None)
-        self.origin[storage] = op
 
     @contextlib.contextmanager
     def tolist(self) -> Iterator[None]:
@@ -119,6 +122,13 @@ class MetaValues:
         finally:
             torch.Tensor.tolist = original  # type: ignore[method-assign]
 
+    @contextlib.contextmanager
+    def python_data(self) -> Iterator[None]:
+        """``torch.tensor([...])`` and ``torch.as_tensor(list)`` build a meta tensor without any
+        op the dispatch mode sees; a function mode gives them the value of their data."""
+        with _PythonData(self):
+            yield
+
     # ---------------------------------------------------------------- dispatch
 
     def run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -134,39 +144,48 @@ class MetaValues:
             if value is None:
                 raise self._error(t, "its value (.item(), bool(), int() or .tolist())")
             return value.item()
+        mutated = _mutated(func, args, kwargs)
         try:
             out = func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as exc:
-            # Meta cannot run an op whose output shape depends on values (nonzero, masked_select,
-            # unique): with the inputs' values, the CPU result gives the shape.
-            if not metas or not known:
-                unknown = next((t for t in metas if self.value(t) is None), None)
-                if unknown is not None and _is_data_dependent(exc):
+            unknown = next((t for t in metas if self.value(t) is None), None)
+            if not metas or mutated:
+                raise  # nothing to answer from, or an in-place op: its result must be its input
+            if unknown is not None:
+                if _is_data_dependent(exc):
                     raise self._error(unknown, f"the values of its elements ({name} on meta)") from exc
                 raise
-            cpu_out = self._compute(func, args, kwargs)
-            out = tree_map(lambda v: torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
-                           if isinstance(v, torch.Tensor) else v, cpu_out)
-            self._attach(out, cpu_out)
-            return out
-        mutated = _mutated(func, args, kwargs)
+            return self._from_values(func, args, kwargs)
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.device.type == "meta"]
         small = all(t.numel() * t.element_size() <= self.limit for t in outs + mutated)
         if known and small and (outs or mutated):
             try:
                 cpu_out = self._compute(func, args, kwargs)
             except Exception:  # noqa: BLE001 -- a value we cannot compute is a value we do not have
-                cpu_out = None
-            if cpu_out is not None:
-                if not mutated:  # an in-place op has already updated the CPU copies it wrote
-                    self._attach(out, cpu_out)
+                cpu_out = _FAILED
+            if cpu_out is not _FAILED:
+                # An in-place op has updated the CPU copies it wrote; its other outputs (fresh
+                # tensors, as native_batch_norm's statistics) get theirs.
+                fresh = [m for m in outs if not any(m is w for w in mutated)]
+                if fresh:
+                    self._attach(out, cpu_out, skip=mutated)
                 return out
         for t in mutated:
-            self._drop_storage(t, name)
-        for t in outs:
-            storage = _storage_key(t)
-            if storage is not None and storage not in self.by_storage:
-                self.origin.setdefault(storage, name)
+            self._drop_storage(t)
+        return out
+
+    def _from_values(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """An op meta cannot run (nonzero, masked_select, unique: output shapes from values;
+        .cpu() of a meta tensor), computed from the inputs' values: outputs meant for another
+        device are the CPU results themselves; meta outputs get the CPU results' shapes, and
+        their values when small enough."""
+        cpu_out = self._compute(func, args, kwargs)
+        target = kwargs.get("device")
+        if target is not None and torch.device(target).type != "meta":
+            return cpu_out  # x.cpu(), x.to("cpu"): real data, as the step asked
+        out = tree_map(lambda v: torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+                       if isinstance(v, torch.Tensor) else v, cpu_out)
+        self._attach(out, cpu_out)
         return out
 
     def _compute(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -175,42 +194,75 @@ class MetaValues:
                 return self.value(v)
             if isinstance(v, torch.device) and v.type == "meta":
                 return torch.device("cpu")
+            if isinstance(v, torch.Generator):
+                return self.generator  # the step's own generator is not advanced by a copy
             return v
 
         cpu_args, cpu_kwargs = tree_map(to_cpu, (args, kwargs))
         if cpu_kwargs.get("device") == "meta":
             cpu_kwargs["device"] = torch.device("cpu")
         self.computed += 1
-        if torch.Tag.nondeterministic_seeded in func.tags:
-            # Random factories draw from our own generator: the user's RNG stream is not touched.
+        if torch.Tag.nondeterministic_seeded in func.tags and not any(
+                isinstance(v, torch.Generator) for v in tree_flatten((cpu_args, cpu_kwargs))[0]):
+            # Random ops without a generator argument draw from the CPU default generator: its
+            # state is saved and restored around a draw from a seed of our own (only the CPU
+            # generator: torch.manual_seed would reseed the user's CUDA generators too).
+            seed = int(torch.randint(1 << 62, (1,), generator=self.generator))
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(int(torch.randint(1 << 62, (1,), generator=self.generator)))
+                torch.default_generator.manual_seed(seed)
                 return func(*cpu_args, **cpu_kwargs)
         return func(*cpu_args, **cpu_kwargs)
 
-    def _attach(self, out: Any, cpu_out: Any) -> None:
+    def _attach(self, out: Any, cpu_out: Any, skip: Sequence[torch.Tensor] = ()) -> None:
         metas, _ = tree_flatten(out)
         cpus, _ = tree_flatten(cpu_out)
         if len(metas) != len(cpus):
             return
         for m, c in zip(metas, cpus):
-            if isinstance(m, torch.Tensor) and isinstance(c, torch.Tensor) and m.device.type == "meta" \
-                    and m.shape == c.shape:
+            if (isinstance(m, torch.Tensor) and isinstance(c, torch.Tensor) and m.device.type == "meta"
+                    and m.shape == c.shape and m.numel() * m.element_size() <= self.limit
+                    and not any(m is w for w in skip)):
                 self._set(m, c)
 
     def _error(self, t: torch.Tensor, what: str) -> DataDependentError:
-        storage = _storage_key(t)
-        made_by = self.origin.get(storage, "") if storage is not None else ""
+        made_by = self.origin_of(t) if self.origin_of is not None else ""
         size = t.numel() * t.element_size()
         why = (f"it is {size:,} bytes, above the {self.limit >> 20} MiB up to which a meta capture keeps values"
                if size > self.limit else
                "it was computed from tensors without values (the weights, or a tensor made without data)")
         return DataDependentError(
             f"the step needs {what} of a meta tensor of shape {tuple(t.shape)} made by {made_by or 'an op'}, and {why}. "
-            "A meta capture knows the values of small tensors made from constants, ranges and random inputs "
+            "A meta capture knows the values of small tensors made from Python data, ranges and random inputs "
             "(ids, positions, masks), not of activations; capture a scaled-down copy of the model with "
             "device='cpu', or make the step's shapes independent of those values (see the guide: "
             "docs/will-it-fit.md, 'Models with data-dependent shapes')")
+
+
+_FAILED = object()
+_FROM_DATA = (torch.tensor, torch.as_tensor, torch.asarray)
+
+
+class _PythonData(TorchFunctionMode):
+    def __init__(self, values: MetaValues) -> None:
+        super().__init__()
+        self.values = values
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if (func in _FROM_DATA and isinstance(out, torch.Tensor) and out.device.type == "meta" and args
+                and not isinstance(args[0], torch.Tensor)
+                and out.numel() * out.element_size() <= self.values.limit):
+            try:
+                with _disable_current_modes():  # the copy is not the step's: no capture sees it
+                    value = func(*args, **{**kwargs, "device": "cpu", "dtype": out.dtype})
+                    value = value.detach() if isinstance(value, torch.Tensor) else value
+            except Exception:  # noqa: BLE001 -- data a CPU tensor cannot hold: no value
+                return out
+            if isinstance(value, torch.Tensor) and value.shape == out.shape:
+                self.values._set(out, value)
+        return out
 
 
 def _mutated(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:

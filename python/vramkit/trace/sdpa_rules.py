@@ -47,7 +47,7 @@ def flash_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: 
     """can_use_flash_attention: fp16 or bf16 on sm80 to sm121; no attention mask; one head size
     up to 256 for q, k and v; on sm86-89 and sm120-121, with grad, not a head size of 193-224,
     nor above 224 with dropout;
-    is_causal with more queries than keys is refused; grouped-query attention supported."""
+    is_causal with as many queries as keys only; grouped-query attention supported."""
     if not torch.backends.cuda.flash_sdp_enabled():
         return False
     if not _common_ok(query, key, value) or mask is not None:
@@ -62,7 +62,7 @@ def flash_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: 
     if (arch in ((8, 6), (8, 7), (8, 9), (12, 0), (12, 1)) and grad and any(t.requires_grad for t in (query, key, value))
             and (192 < head <= 224 or (head > 224 and dropout_p > 0))):
         return False  # check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120
-    if is_causal and query.size(-2) > key.size(-2):
+    if is_causal and query.size(-2) != key.size(-2):
         return False  # check_flash_causal_non_square_seqlens
     return _heads_ok(query, key, value, enable_gqa, gqa=True)
 
