@@ -166,9 +166,7 @@ class MetaValues:
             if cpu_out is not _FAILED:
                 # An in-place op has updated the CPU copies it wrote; its other outputs (fresh
                 # tensors, as native_batch_norm's statistics) get theirs.
-                fresh = [m for m in outs if not any(m is w for w in mutated)]
-                if fresh:
-                    self._attach(out, cpu_out, skip=mutated)
+                self._attach(out, cpu_out, skip=mutated)
                 return out
         for t in mutated:
             self._drop_storage(t)
