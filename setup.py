@@ -7,6 +7,7 @@ Switches (environment variables):
   VRAMKIT_WERROR=1          treat C warnings as errors (CI sets this)
   VRAMKIT_SANITIZE=address,undefined   build with sanitizers (run with libasan preloaded)
   VRAMKIT_DEBUG=1           -O0 -g
+  VRAMKIT_LTO=auto|0|1      link-time optimisation (auto: when the compiler can link with it)
 """
 
 import glob
@@ -45,6 +46,28 @@ def find_cuda():
     return None
 
 
+def lto_links():
+    """Whether the compiler Python builds with can link a shared object with -flto=auto
+    (VRAMKIT_LTO=0|1|auto). Some toolchains pair a gcc with a linker that cannot run its
+    lto-wrapper (seen on the GPU machine: /opt/gcc's gcc with /usr/bin/ld); build without LTO there."""
+    choice = os.environ.get("VRAMKIT_LTO", "auto")
+    if choice in ("0", "1"):
+        return choice == "1"
+    import sysconfig
+    import tempfile
+
+    cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "probe.c")
+        with open(src, "w") as f:
+            f.write("int vramkit_lto_probe(int x) { return x + 1; }\n")
+        cmd = cc + ["-shared", "-fPIC", "-O2", "-flto=auto", src, "-o", os.path.join(tmp, "probe.so")]
+        try:
+            return subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+        except OSError:
+            return False
+
+
 def sources(*patterns):
     return sorted(p for pattern in patterns for p in glob.glob(os.path.join("csrc", pattern)))
 
@@ -64,9 +87,11 @@ if SANITIZE:
 elif env_flag("VRAMKIT_DEBUG"):
     compile_args += ["-O0", "-g"]
 else:
+    compile_args += ["-O2"]
     # Link-time optimisation lets the free index, pointer map and rounding inline into malloc/free.
-    compile_args += ["-O2", "-flto=auto"]
-    link_args += ["-flto=auto"]
+    if lto_links():
+        compile_args += ["-flto=auto"]
+        link_args += ["-flto=auto"]
 
 define_macros = [("VRAMKIT_BUILD", "1")]
 extra_objects = []

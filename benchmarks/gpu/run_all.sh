@@ -3,7 +3,9 @@
 # kernels, run every test marked `cuda` (allocator, expandable segments on the driver's VMM
 # API, amp kernels, torch's pluggable allocator with a real training loop, `vramkit run` on a torch
 # CUDA script, CuPy), then the GPU benchmarks: amp kernels (gpu/amp.py) and allocation latency
-# against torch, CuPy and cudaMallocAsync (gpu/alloc.py). Logs and tables go to
+# against torch, CuPy and cudaMallocAsync (gpu/alloc.py), vramkit's meta predictions against the GPU's own
+# max_memory_allocated/reserved (gpu/predict_vs_gpu.py), and single-rank DDP/FSDP2 runs on NCCL with
+# their allocator histories (gpu/sharded_gpu.py). Logs, tables and snapshots go to
 # ${OUT:-gpu-results}; the last lines printed are the summary. Fits one 10-minute call of the device tool (the build takes about 2 minutes).
 #
 #     bash benchmarks/gpu/run_all.sh            # full
@@ -28,21 +30,29 @@ python -c "import vramkit; print('vramkit', vramkit.__version__, 'CUDA devices:'
     if hasattr(vramkit._C, 'cuda_device_count') else '?')" | tee -a "$out/summary.txt"
 
 echo "=== cuda tests ===" | tee -a "$out/summary.txt"
-python -m pytest -m cuda -p no:cacheprovider -rs -q tests > "$out/cuda_tests.log" 2>&1
+timeout "${TESTS_TIMEOUT:-200}" python -m pytest -m cuda -p no:cacheprovider -rs -q tests > "$out/cuda_tests.log" 2>&1
 tests_rc=$?
 tail -25 "$out/cuda_tests.log"
 tail -1 "$out/cuda_tests.log" >> "$out/summary.txt"
 
+echo "=== predictions against the GPU ===" | tee -a "$out/summary.txt"
+timeout "${PREDICT_TIMEOUT:-200}" python benchmarks/gpu/predict_vs_gpu.py --out "$out" > "$out/predict_vs_gpu.md" 2> "$out/predict_vs_gpu.log"
+predict_rc=$?
+cat "$out/predict_vs_gpu.md" >> "$out/summary.txt"
+timeout "${SHARDED_TIMEOUT:-120}" python benchmarks/gpu/sharded_gpu.py --out "$out" > "$out/sharded_gpu.md" 2> "$out/sharded_gpu.log"
+sharded_rc=$?
+cat "$out/sharded_gpu.md" >> "$out/summary.txt"
+
 echo "=== GPU benchmarks ===" | tee -a "$out/summary.txt"
 quick=()
 [ "${QUICK:-0}" = "1" ] && quick=(--quick)
-python benchmarks/gpu/amp.py "${quick[@]}" --json "$out/amp.json" > "$out/amp.md" 2>&1
+timeout 90 python benchmarks/gpu/amp.py "${quick[@]}" --json "$out/amp.json" > "$out/amp.md" 2>&1
 bench_rc=$?
 cat "$out/amp.md" >> "$out/summary.txt"
-python benchmarks/gpu/alloc.py "${quick[@]}" --json "$out/alloc.json" > "$out/alloc.md" 2>&1
+timeout 90 python benchmarks/gpu/alloc.py "${quick[@]}" --json "$out/alloc.json" > "$out/alloc.md" 2>&1
 alloc_rc=$?
 cat "$out/alloc.md" >> "$out/summary.txt"
 
 echo "=== summary ==="
 cat "$out/summary.txt"
-exit $(( tests_rc != 0 || bench_rc != 0 || alloc_rc != 0 ))
+exit $(( tests_rc != 0 || bench_rc != 0 || alloc_rc != 0 || predict_rc != 0 || sharded_rc != 0 ))

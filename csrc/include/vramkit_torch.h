@@ -43,6 +43,12 @@ VRAM_API void *vramkit_torch_base_alloc(void *ptr, size_t *size);     /* set_bas
 /* Pointers vramkit_torch_free was given that no vramkit pool owned (ignored). */
 VRAM_API uint64_t vram_torch_stray_frees(void);
 
+/* The allocation history's stacks: vram_torch_malloc asks `hook` for the context id of each
+ * allocation while the pool records its history (vram_malloc's `context`). Python's module sets
+ * one that reads the calling thread's Python frames; NULL (the default) records none. */
+typedef uint64_t (*vram_torch_context_fn)(vram_pool_t *pool);
+VRAM_API void vram_torch_set_context_hook(vram_torch_context_fn hook);
+
 /* Test and dry-run switch: send requests for cuda:N to `device` instead ("sim:3", or "cuda" to
  * go back to the real devices). With it the hooks run, and are tested, without a GPU. */
 VRAM_API VRAM_NODISCARD vram_status_t vram_torch_route(const char *device);

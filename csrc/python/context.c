@@ -175,4 +175,29 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-int vk_context_init(PyObject *module) { return vk_add_methods(module, methods); }
+/* The stack of an allocation torch asks for through the pluggable allocator (vramkit_torch.h).
+ * torch's bindings release the GIL around every op, so the caller holds no GIL here; it is
+ * taken back, as torch's own python-stack capture does, to read this thread's frames. Only on
+ * a thread Python already knows (autograd's engine threads that never ran Python have no
+ * frames to read) and never while the interpreter is finalizing. No vramkit or torch lock is
+ * held at this point: torch calls alloc_fn outside its allocator mutex, and the pool lock is
+ * taken after this returns. */
+static uint64_t capture_for_torch(vram_pool_t *pool) {
+    if (!vram_history_enabled(pool)) return 0;
+    if (PyGILState_Check()) return vk_capture_context(pool);
+    if (!Py_IsInitialized() || PyGILState_GetThisThreadState() == NULL) return 0;
+#if PY_VERSION_HEX >= 0x030D0000
+    if (Py_IsFinalizing()) return 0;
+#else
+    if (_Py_IsFinalizing()) return 0;
+#endif
+    PyGILState_STATE gil = PyGILState_Ensure();
+    uint64_t id = vk_capture_context(pool);
+    PyGILState_Release(gil);
+    return id;
+}
+
+int vk_context_init(PyObject *module) {
+    vram_torch_set_context_hook(capture_for_torch);
+    return vk_add_methods(module, methods);
+}

@@ -17,6 +17,13 @@
 static _Atomic int route_kind = VRAM_DEVICE_CUDA;
 static _Atomic int route_index;
 static atomic_uint_fast64_t stray_frees;
+/* Who names the Python stack of an allocation for the history (set by the Python module,
+ * context.c); NULL in a process without it. Called before any pool lock is taken. */
+static _Atomic(vram_torch_context_fn) context_hook;
+
+void vram_torch_set_context_hook(vram_torch_context_fn hook) {
+    atomic_store_explicit(&context_hook, hook, memory_order_release);
+}
 
 static vram_status_t pool_for(int device, vram_pool_t **out) {
     vram_device_t target = {VRAM_DEVICE_CUDA, device, 0};
@@ -36,7 +43,9 @@ vram_status_t vram_torch_malloc(int64_t size, int device, void *stream, void **o
     vram_pool_t *pool;
     vram_status_t status = pool_for(device, &pool);
     if (status != VRAM_OK) return status;
-    return vram_malloc(pool, (uint64_t)size, (vram_stream_t)(uintptr_t)stream, 0, out);
+    vram_torch_context_fn hook = atomic_load_explicit(&context_hook, memory_order_acquire);
+    uint64_t context = hook && vram_history_enabled(pool) ? hook(pool) : 0;
+    return vram_malloc(pool, (uint64_t)size, (vram_stream_t)(uintptr_t)stream, context, out);
 }
 
 void vramkit_torch_free(void *ptr, ssize_t size, int device, void *stream) {

@@ -244,8 +244,10 @@ def test_torch_training_on_vramkit_memory(tmp_path):
     assert runs["vramkit"]["losses"] == runs["torch"]["losses"]
     v = runs["vramkit"]
     assert v["summary_ok"]
-    # Live tensors are vramkit's; beyond them only torch's own workspaces (cuBLAS) may be held.
-    assert v["live"] <= v["requested"] <= v["live"] + 64 * MiB
+    # Live tensors are vramkit's; beyond them only torch's own workspaces may be held: a cuBLAS
+    # workspace per thread that ran a matmul (this one and autograd's engine thread; 32 MiB each
+    # on Hopper) and cuBLASLt's 1 MiB. An H200 held 65 MiB beyond the live tensors here.
+    assert v["live"] <= v["requested"] <= v["live"] + 2 * 32 * MiB + 2 * MiB
 
 
 def test_cupy_arrays_on_vramkit_memory(gpu):

@@ -53,6 +53,35 @@ def test_hooks_allocate_from_the_routed_pool(lib, routed):
     vramkit.pool_check(routed)
 
 
+def test_history_names_the_python_line_that_asked_torch_for_memory(lib, routed):
+    """torch calls the hooks with the GIL released (ctypes does too); the history still records
+    the caller's Python stack, as torch's own history does (seen missing on an H200: every
+    allocation of `vramkit run --allocator vramkit` was "allocated before the recorded history")."""
+    import threading
+
+    def weights():
+        return lib.vramkit_torch_malloc(2 * MiB, 0, None)
+
+    vramkit.record_memory_history(True, device=routed)
+    try:
+        p = weights()
+        box = []
+        worker = threading.Thread(target=lambda: box.append(weights()))  # another Python thread
+        worker.start()
+        worker.join()
+        snap = vramkit.memory_snapshot(routed)
+    finally:
+        vramkit.record_memory_history(False, device=routed)
+    allocs = [e for e in snap["device_traces"][-1] if e["action"] == "alloc"]
+    assert len(allocs) == 2
+    for e in allocs:
+        assert e["frames"] and e["frames"][0]["name"] == "weights", e["frames"]
+        assert e["frames"][0]["filename"] == __file__
+    lib.vramkit_torch_free(p, 2 * MiB, 0, None)
+    lib.vramkit_torch_free(box[0], 2 * MiB, 0, None)
+    vramkit.pool_check(routed)
+
+
 def test_out_of_memory_is_a_status_not_a_null(lib, routed):
     out = ctypes.c_void_p()
     before = vramkit.memory_stats(routed)

@@ -157,6 +157,10 @@ MASK = torch.empty(128, 128, device="meta")
     ("bf16 with a mask: flash takes none", H100, {"mask": MASK}, "efficient"),
     ("GQA with enable_gqa", H100, {"kv": 2, "gqa": True}, "flash"),
     ("GQA without enable_gqa: head counts differ", H100, {"kv": 2}, "math"),
+    # efficient's dense constraints take no grouped-query heads (seen on an H200: fp32 GQA Llama ran math)
+    ("fp32 GQA with enable_gqa: efficient takes no GQA", H100, {"kv": 2, "gqa": True, "dtype": torch.float32}, "math"),
+    ("bf16 GQA with a mask: flash takes no mask, efficient no GQA", H100, {"kv": 2, "gqa": True, "mask": MASK},
+     "math"),
     ("head size 512: flash stops at 256", H100, {"d": 512}, "efficient"),
     ("head size 200 with grad on sm89", L4, {"d": 200}, "efficient"),
     ("head size 200 with grad on sm90", H100, {"d": 200}, "flash"),

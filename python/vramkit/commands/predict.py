@@ -67,7 +67,7 @@ def _gpu(text: str) -> Any:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", type=_gpu, default=None, metavar="NAME",
-                   help="a GPU profile: H100-80GB, A100-80GB, A100-40GB, L4, RTX-4090, or 'current' (this machine's "
+                   help="a GPU profile: H100-80GB, H200-141GB, A100-80GB, A100-40GB, L4, RTX-4090, or 'current' (this machine's "
                         "GPU): its memory, CUDA context, cuBLAS workspaces and architecture (attention backend, bf16)")
     p.add_argument("--device-memory", default=None, type=_size, metavar="SIZE",
                    help="the GPU's memory, e.g. 24GiB, 40GiB, 80GiB (binary units); overrides --gpu's")
@@ -119,7 +119,7 @@ def _capacity(ns: argparse.Namespace, command: str) -> bool:
     when neither was."""
     if ns.device_memory is None:
         if ns.gpu is None:
-            _error(command, "say which GPU: --gpu NAME (H100-80GB, A100-80GB, A100-40GB, L4, RTX-4090, current) or "
+            _error(command, "say which GPU: --gpu NAME (H100-80GB, H200-141GB, A100-80GB, A100-40GB, L4, RTX-4090, current) or "
                             "--device-memory SIZE (e.g. 80GiB)")
             return False
         ns.device_memory = ns.gpu.total_memory

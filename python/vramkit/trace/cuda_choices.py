@@ -160,12 +160,6 @@ def make_attention(choices: CudaChoices | None) -> Any:
             grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
             if mask is not None:
                 mask = _pad_mask(mask, query, key)
-            if key.size(1) != query.size(1):
-                # Grouped-query heads: the CUDA kernel takes them, but the efficient kernel's meta
-                # backward gives k and v gradients of the query's head count; k and v repeated
-                # to the query's heads model it (an over-estimate by those two copies at most).
-                groups = query.size(1) // key.size(1)
-                key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
             out = torch.ops.aten._scaled_dot_product_efficient_attention(
                 query, key, value, mask, grad, dropout_p, is_causal, scale=scale)[0]
             return out

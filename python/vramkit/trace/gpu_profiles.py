@@ -8,15 +8,21 @@ total: it is the capacity PyTorch's allocator can reach. Where logs disagree by 
 itself, ``--gpu current`` reads the real figure.
 
 * ``cuda_context``: memory the CUDA context, kernels and library handles take outside the
-  allocator. With lazy module loading (CUDA 11.7+, PyTorch's default) reports run from
-  287 MB to 426 MiB, and grow as cuBLAS, cuDNN and attention kernels load; 512 MiB is kept as
-  the default for every profile.
+  allocator. With lazy module loading (CUDA 11.7+, PyTorch's default) it grows as cuBLAS,
+  cuDNN and attention kernels load. Measured on an H200 (torch 2.11+cu130, driver 580):
+  527 MiB after CUDA's initialization, 685 MiB after the first cuBLAS matmul; the Hopper
+  profiles take 685 MiB. Reports for other GPUs run from 287 MB to 426 MiB; they keep 512 MiB.
 * ``cublas_workspace``: ``CublasHandlePool.cpp`` allocates one workspace through the caching
   allocator per (handle, stream), at the first matmul: 4096 KiB x 8 = 32 MiB on compute
   capability 9.x (Hopper), 4096 KiB x 2 + 16 KiB x 8 = 8.125 MiB elsewhere. Handles are per
   thread, and the autograd engine runs a CUDA device's backward on its own thread, so a
-  training step holds two: the forward's and the backward's. cuBLASLt shares the same
-  allocation by default (``TORCH_CUBLASLT_UNIFIED_WORKSPACE``).
+  training step holds two: the forward's and the backward's. The H200 run showed both
+  (one allocated under the first Linear's forward, one on autograd's thread) and a third,
+  cuBLASLt's own 1 MiB, at the first float32 Linear with a bias; Hopper profiles count it as
+  ``cublaslt_workspace``.
+* ``nccl``: what NCCL takes outside the allocator per process once a process group has run a
+  collective. Measured on the H200 (NCCL 2.28.9, one rank): 650 MiB. It grows with the number
+  of peers and channels; sharded predictions take it as their default.
 """
 
 from __future__ import annotations
@@ -43,12 +49,13 @@ class GpuOverheads:
     cublas_workspace: int = 32 * MiB
     cudnn_workspace: int = 0
     nccl: int = 0
+    cublaslt_workspace: int = 0
 
     def items(self) -> list[tuple[str, int, str]]:
         """(name, bytes, where) for each non-zero item; where is "outside" or "allocator"."""
         out = []
         for name, where in (("cuda_context", "outside"), ("nccl", "outside"), ("cublas_workspace", "allocator"),
-                            ("cudnn_workspace", "allocator")):
+                            ("cublaslt_workspace", "allocator"), ("cudnn_workspace", "allocator")):
             value = int(getattr(self, name))
             if value < 0:
                 raise ValueError(f"GpuOverheads.{name} must be >= 0 bytes, got {value}")
@@ -62,6 +69,8 @@ class GpuOverheads:
 
 
 NO_OVERHEADS = GpuOverheads(0, 0, 0, 0)
+HOPPER_CONTEXT = 685 * MiB  # measured on an H200 after the first matmul (module docstring)
+NCCL_DEFAULT = 650 * MiB  # measured on an H200, NCCL 2.28.9, one rank (module docstring)
 
 
 
@@ -91,9 +100,15 @@ class GpuProfile:
         one = 4096 * 8 * 1024 if self.compute_capability[0] in (9, 10, 12) else 4096 * 1024 * 2 + 16 * 1024 * 8
         return 2 * one
 
+    @property
+    def cublaslt_workspace(self) -> int:
+        """cuBLASLt's own workspace: 1 MiB on Hopper (measured on an H200); 0 elsewhere, unmeasured."""
+        return MiB if self.compute_capability[0] == 9 else 0
+
     def overheads(self, **changes: Any) -> GpuOverheads:
         """This GPU's line items, with any field of ``GpuOverheads`` changed."""
-        base = {"cuda_context": self.cuda_context, "cublas_workspace": self.cublas_workspace}
+        base = {"cuda_context": self.cuda_context, "cublas_workspace": self.cublas_workspace,
+                "cublaslt_workspace": self.cublaslt_workspace}
         return GpuOverheads(**{**base, **changes})
 
     def cuda_choices(self) -> Any:
@@ -109,7 +124,10 @@ class GpuProfile:
 
 
 PROFILES: dict[str, GpuProfile] = {p.name: p for p in (
-    GpuProfile("H100-80GB", 85_045_477_376, (9, 0), source="deviceQuery, H100 80GB HBM3 SXM (torch repr 81082-81105 MB)"),
+    GpuProfile("H100-80GB", 85_045_477_376, (9, 0), HOPPER_CONTEXT,
+               source="deviceQuery, H100 80GB HBM3 SXM (torch repr 81082-81105 MB)"),
+    GpuProfile("H200-141GB", 150_109_880_320, (9, 0), HOPPER_CONTEXT,
+               source="torch.cuda.mem_get_info total on an H200 (driver 580.159.04)"),
     GpuProfile("A100-80GB", 85_167_243_264, (8, 0), source="totalGlobalMem 81221.8 MiB, A100-SXM4-80GB"),
     GpuProfile("A100-40GB", 42_505_273_344, (8, 0), source="deviceQuery, A100-PCIE-40GB (SXM4 repr 40536 MB agrees)"),
     GpuProfile("L4", 22_574 * MiB, (8, 9), source="deviceQuery 'Total global memory: 22574 MB'"),

@@ -71,7 +71,9 @@ def efficient_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
                  enable_gqa: bool, arch: tuple[int, int]) -> bool:
     """can_use_mem_efficient_attention: fp32 or fp16 (bf16 on sm80+) on sm50 and later; an
     attention mask is allowed; the head sizes of q and k equal and of q, k, v multiples of 8
-    (fp16/bf16) or 4 (fp32) on sm80+; grouped-query attention supported (not on ROCm)."""
+    (fp16/bf16) or 4 (fp32) on sm80+; no grouped-query attention: its dense constraints
+    instantiate check_batch_size_and_num_heads_dense<false /*supports_grouped_query_attention*/>,
+    so q, k and v need equal head counts (seen on an H200: an fp32 GQA Llama ran the math path)."""
     if not torch.backends.cuda.mem_efficient_sdp_enabled():
         return False
     if not _common_ok(query, key, value) or not (5, 0) <= arch < (13, 0):
@@ -86,7 +88,7 @@ def efficient_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
         align = 8 if arch >= (7, 5) and query.dtype == torch.float16 else 1
     if query.size(-1) != key.size(-1) or any(t.size(-1) % align for t in (query, value)):
         return False
-    return _heads_ok(query, key, value, enable_gqa, gqa=True)
+    return _heads_ok(query, key, value, enable_gqa, gqa=False)
 
 
 def cuda_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
