@@ -29,11 +29,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from .autocast_meta import emulate_autocast
 from .cuda_choices import CudaChoices, install as install_choices
+from .fake_dist import COLLECTIVE_NAMESPACES, check_rank, collectives_by_step, note_collective, one_rank
 from .meta_values import DataDependentError, MetaValues
 from .module_tags import LABEL, install_hooks, restore_blocks, tag_all, tag_args
 from .file_format import ALLOC, CATEGORIES, FREE, PHASE, PHASES, STEP, Trace
@@ -54,6 +55,8 @@ class CaptureError(RuntimeError):
 def _storage_of(t: Any) -> torch.UntypedStorage | None:
     if not isinstance(t, torch.Tensor) or t.is_sparse or t.layout != torch.strided:
         return None
+    if is_traceable_wrapper_subclass(t):
+        return None  # a DTensor's own "storage" has its global size; its local tensor holds the memory
     try:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):
@@ -94,6 +97,8 @@ class _Recorder:
         self.checkpointed: list[nn.Module] = []
         self.saved_forwards: list[Any] = []
         self.thread = threading.get_ident()  # the hooks act only for the capturing thread
+        self.collectives: list[tuple[str, int, int]] | None = None  # a sharded capture's group log
+        self.collective_marks: list[int] = []  # its length at the start of each step
         self.checkpointed_path = ""
 
     # ---------------------------------------------------------------- phases
@@ -134,7 +139,7 @@ class _Recorder:
             return ""
         return self.module_stack[-1] if self.module_stack else ""
 
-    def new_storage(self, st: Any, dtype: torch.dtype, op: str, initial: bool = False) -> int:
+    def new_storage(self, st: Any, dtype: torch.dtype | str, op: str, initial: bool = False) -> int:
         key = st._cdata
         n = int(st.nbytes())
         with self.lock:
@@ -169,6 +174,21 @@ class _Recorder:
             self._mark()
             self.events.append((FREE, i, self.size[i]))
 
+    def resized(self, st: Any, dtype: str) -> None:
+        """`st` was resized in place (``UntypedStorage.resize_``: FSDP frees and re-creates its
+        unsharded parameters this way): its old allocation is freed and, if it is not empty
+        now, a new one made, as the allocator does."""
+        with self.lock:
+            entry = self.live.pop(st._cdata, None)
+            if entry is not None:
+                i, fin = entry
+                fin.detach()
+                dtype = self.dtype[i]
+                self._mark()
+                self.events.append((FREE, i, self.size[i]))
+        if int(st.nbytes()):
+            self.new_storage(st, dtype, "aten::resize_ (storage)")
+
     def id_of(self, st: Any) -> int | None:
         entry = self.live.get(st._cdata)
         return entry[0] if entry is not None else None
@@ -176,6 +196,10 @@ class _Recorder:
     def see(self, t: Any, category: str | None = None, module: str | None = None, op: str = "") -> None:
         """Register a tensor's storage if new (as one that existed before the capture, when not
         inside a step) and set its category and module path if given."""
+        if isinstance(t, torch.Tensor) and is_traceable_wrapper_subclass(t):
+            for name in t.__tensor_flatten__()[0]:  # DTensor: its local shard
+                self.see(getattr(t, name), category, module, op)
+            return
         st = _storage_of(t)
         if st is None or int(st.nbytes()) == 0:
             return
@@ -209,8 +233,10 @@ class _CaptureMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs) if self.values is None else self.values.run(func, args, kwargs)
         rec = self.rec
+        if rec.collectives is not None and func.namespace in COLLECTIVE_NAMESPACES:
+            note_collective(func, args, kwargs, rec.collectives)
+        out = func(*args, **kwargs) if self.values is None else self.values.run(func, args, kwargs)
         outs, _ = tree_flatten(out)
         fresh = [(t, st) for t in outs if (st := _storage_of(t)) is not None]
         if not fresh:
@@ -304,7 +330,8 @@ def _as_device(device: Any) -> torch.device:
 
 def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps: int = 1,
             meta: dict[str, Any] | None = None, checkpoint_blocks: bool | int = False, autocast: Any = None,
-            cuda: CudaChoices | bool = True, **kwargs: Any) -> Trace:
+            cuda: CudaChoices | bool = True, world_size: int | None = None, rank: int = 0,
+            **kwargs: Any) -> Trace:
     """Run `steps` training steps and return their allocation trace.
 
     Two forms:
@@ -333,6 +360,13 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
     attention backend CUDA's rules pick. Small tensors made from constants, ranges and random
     inputs keep CPU values, so data-dependent Python on them (``.item()``, ``if mask.all():``)
     runs as on a GPU (``meta_values``).
+    With `world_size` (and `rank`, default 0), the step runs as rank `rank` of a
+    `world_size`-rank torch.distributed job, in this process (``fake_dist``): DDP, FSDP2 and
+    ZeroRedundancyOptimizer run their own code for that rank, so sharded parameters, gathered
+    parameters, reduce-scatter inputs and DDP's buckets are in the trace at that rank's sizes.
+    The step's own ``init_process_group`` call is absorbed and torchrun's variables (``RANK``,
+    ``WORLD_SIZE``, ...) are set; ``trace.meta["distributed"]`` lists each step's collectives
+    and the bytes this rank sends.
     Raises ``CaptureError`` (with the step's exception as cause) if the step raises;
     nothing is returned then.
     """
@@ -350,6 +384,7 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
     elif not isinstance(cuda, CudaChoices):
         raise TypeError(f"cuda must be True, False or a vramkit.trace.CudaChoices, got {type(cuda).__name__}")
     _check_devices((args, kwargs), dev)
+    check_rank(world_size, rank)
     if not _ACTIVE.acquire(blocking=False):
         raise RuntimeError("another vramkit.trace.capture is running in this process; captures cannot nest")
     rec = _Recorder(dev)
@@ -359,7 +394,9 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
     info = dict(meta or {})
     try:
         emulation = emulate_autocast() if dev.type == "meta" else contextlib.nullcontext()
-        with torch.device(dev), emulation, install_choices(cuda, dev.type):
+        sharded = one_rank(world_size, rank, dev) if world_size is not None else contextlib.nullcontext(None)
+        with sharded as group, torch.device(dev), emulation, install_choices(cuda, dev.type), _storage_resizes(rec):
+            rec.collectives = group.log if group is not None else None
             tag_args(rec, (args, kwargs))
             mode = _CaptureMode(rec)
             values = mode.values
@@ -393,6 +430,9 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
                         region.__exit__(None, None, None)
         info.update(source=f"capture:{dev.type}", device=dev.type, steps=steps, form=form,
                     torch_version=torch.__version__)
+        if world_size is not None:
+            info["distributed"] = collectives_by_step(rec.collective_marks, rec.collectives or [], world_size, rank,
+                                                      form)
         if checkpoint_blocks:
             info["checkpointed_blocks"] = rec.checkpointed_path
             info["checkpointed_count"] = rec.checkpointed_count
@@ -415,6 +455,26 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
         _ACTIVE.release()
 
 
+@contextlib.contextmanager
+def _storage_resizes(rec: _Recorder) -> Any:
+    """Record ``UntypedStorage.resize_`` on the capturing thread: it reallocates a storage
+    outside the dispatcher, where the capture mode cannot see it."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(self: Any, size: int) -> Any:
+        before = int(self.nbytes())
+        out = original(self, size)
+        if int(self.nbytes()) != before and threading.get_ident() == rec.thread and self.device == rec.device:
+            rec.resized(self, "uint8")
+        return out
+
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
+
 def _call(fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
@@ -426,6 +486,8 @@ def _call(fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
 
 
 def _begin_step(rec: _Recorder) -> None:
+    if rec.collectives is not None:
+        rec.collective_marks.append(len(rec.collectives))
     rec.step += 1
     rec.phase = _OTHER
     rec.module_stack.clear()

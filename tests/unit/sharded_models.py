@@ -1,0 +1,163 @@
+"""Small models and sharded training steps for the distributed tests: a GPT-style decoder and a
+CNN, wrapped with DDP, FSDP2 (reshard after forward or not; bf16 parameters with checkpointed
+blocks) or ZeroRedundancyOptimizer. A builder makes the model, the wrapper, AdamW and one batch
+on the current default device, using whatever default process group is initialized, and
+returns the step (two lines, as a training loop writes them)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+VOCAB, DIM, LAYERS, SEQ, HEADS = 1003, 96, 3, 32, 4  # 1003: parameters not divisible by the world size
+STRATEGIES = ["ddp", "fsdp2", "fsdp2-no-reshard", "fsdp2-bf16-checkpointed", "zero"]
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.qkv, self.proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+        self.fc, self.out = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+        self.checkpointed = False
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, HEADS, -1).transpose(1, 2) for z in self.qkv(self.ln1(x)).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, DIM)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+
+class GPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, DIM), nn.Embedding(SEQ, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.ln, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+class CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        # GroupNorm, not BatchNorm: FSDP2 casts parameters to bf16 but not buffers, and the CPU's
+        # batch norm refuses bf16 inputs with fp32 running statistics (CUDA's accepts them).
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1), nn.GroupNorm(4, c_out), nn.ReLU())
+                                    for c_in, c_out in ((3, 24), (24, 48), (48, 48)))
+        self.head = nn.Linear(48, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = F.max_pool2d(block(x), 2)
+        return self.head(x.mean((2, 3)))
+
+
+def builder(model_name: str, strategy: str, batch: int = 4):
+    """A builder of `strategy` training steps for model `model_name` ("gpt" or "cnn")."""
+    if strategy not in STRATEGIES:
+        raise ValueError(strategy)
+
+    def build():
+        torch.manual_seed(0)
+        model = GPT() if model_name == "gpt" else CNN()
+        if strategy == "fsdp2-bf16-checkpointed" and model_name == "gpt":
+            for block in model.blocks:
+                block.checkpointed = True
+        if strategy == "ddp":
+            model = nn.parallel.DistributedDataParallel(model)
+        elif strategy.startswith("fsdp2"):
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+                if "bf16" in strategy else MixedPrecisionPolicy()
+            reshard = strategy != "fsdp2-no-reshard"
+            for block in model.blocks:
+                fully_shard(block, reshard_after_forward=reshard, mp_policy=mp)
+            fully_shard(model, reshard_after_forward=reshard, mp_policy=mp)
+        if strategy == "zero":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if model_name == "gpt":
+            x = torch.randint(0, VOCAB, (batch, SEQ))
+            loss_of = lambda: F.cross_entropy(model(x).view(-1, VOCAB).float(), x.view(-1))  # noqa: E731
+        else:
+            x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
+            loss_of = lambda: F.cross_entropy(model(x), y)  # noqa: E731
+
+        def step() -> None:
+            loss_of().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step
+
+    return build
+
+
+def measure_rank(rank: int, world_size: int, port: int, configs: list[tuple[str, str]], out_dir: str,
+                 repeats: int = 3) -> None:
+    """One rank of a real gloo job (torch.multiprocessing.spawn's target). For each (model,
+    strategy): build and run two steps, measured two ways, and write rank<r>.json:
+
+    * "storages": vramkit's capture on the CPU (every storage's life, its end seen by a
+      finalizer) with the real gloo group: the peak of live storage bytes from nothing to the
+      end of the second step, and apart the bytes of storages gloo made inside its
+      collectives (first seen after they were made: "(first use)"; the 4-byte step counters
+      AdamW makes with torch.tensor are first seen that way too, and stay counted). The
+      smallest of `repeats` runs: a gloo work keeps its tensors until its worker thread lets
+      go of it, which happens at its own pace, so a buffer FSDP2 has dropped can outlive it
+      now and then (all runs are kept in "storages_runs");
+    * "profiler": torch.profiler's allocator events over the same, on this thread; the
+      smallest of `repeats` runs too.
+    """
+    import gc
+    import json
+    import os
+
+    import numpy as np
+    import torch.distributed as dist
+
+    import vramkit.trace as vt
+    from peaks import profiler_total_peak, total_peak
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    results = {}
+    try:
+        for model, strategy in configs:
+            runs = []
+            for _ in range(repeats):
+                gc.collect()
+                t = vt.capture(builder(model, strategy), device="cpu", steps=2, cuda=False)
+                ops = np.array([t.name_of("ops", int(o)) if o >= 0 else "" for o in t.alloc_op])
+                inside = (ops == "(first use)") & (t.alloc_size > 64)  # not the optimizer's torch.tensor(0.0) steps
+                t.alloc_category[inside] = vt.CATEGORIES.index("host")  # left out of total_peak
+                runs.append((total_peak(t), int(t.alloc_size[inside].sum())))
+            profiled = []
+            for _ in range(repeats):
+                gc.collect()
+                profiled.append(profiler_total_peak(builder(model, strategy), steps=2)[0])
+            results[f"{model}/{strategy}"] = {
+                "storages": min(runs)[0], "storages_runs": [r[0] for r in runs], "gloo_internal_bytes": min(runs)[1],
+                "profiler": min(profiled), "profiler_runs": profiled}
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
