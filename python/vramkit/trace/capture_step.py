@@ -237,11 +237,11 @@ class _CaptureMode(TorchDispatchMode):
         if rec.collectives is not None and func.namespace in COLLECTIVE_NAMESPACES:
             note_collective(func, args, kwargs, rec.collectives)
         out = func(*args, **kwargs) if self.values is None else self.values.run(func, args, kwargs)
-        outs, _ = tree_flatten(out)
+        outs = _plain(tree_flatten(out)[0])
         fresh = [(t, st) for t in outs if (st := _storage_of(t)) is not None]
         if not fresh:
             return out
-        ins, _ = tree_flatten((args, kwargs))
+        ins = _plain(tree_flatten((args, kwargs))[0])
         for t in ins:
             st = _storage_of(t)
             if st is not None and rec.id_of(st) is None and int(st.nbytes()):
@@ -253,6 +253,19 @@ class _CaptureMode(TorchDispatchMode):
             if rec.id_of(st) is None and int(st.nbytes()):
                 rec.new_storage(st, t.dtype, name)
         return out
+
+
+def _plain(objs: list[Any]) -> list[Any]:
+    """`objs` with each tensor subclass wrapper (a DTensor) replaced by its inner tensors: an op
+    on DTensors runs its local ops inside the subclass's dispatch, where this mode is off, and
+    returns their results wrapped."""
+    out: list[Any] = []
+    for t in objs:
+        if isinstance(t, torch.Tensor) and is_traceable_wrapper_subclass(t):
+            out += _plain([getattr(t, name) for name in t.__tensor_flatten__()[0]])
+        else:
+            out.append(t)
+    return out
 
 
 def _check_devices(objs: Any, device: torch.device) -> None:
