@@ -169,3 +169,56 @@ def test_replay_of_a_recorded_snapshot_reproduces_its_figures(tmp_path):
                         "--cublas-workspace-mib", "0", cwd=tmp_path)
     assert small.returncode == (0 if peak_alloc <= 256 << 20 and vt.replay(t, 256 << 20, overheads=vt.NO_OVERHEADS).fits
                                 else 3)
+
+
+SHARDED = textwrap.dedent(f"""
+    import sys
+    sys.path.insert(0, {str(TESTS / "unit")!r})
+    import sharded_models
+
+    def vramkit_step(batch_size):
+        return sharded_models.builder("gpt", "fsdp2", batch=batch_size)()
+
+    def zero_step(batch_size):
+        return sharded_models.builder("gpt", "zero", batch=batch_size)()
+""")
+
+
+def test_fit_per_rank_of_a_sharded_job(tmp_path):
+    """--world-size: the verdict first, then each captured rank's peaks; the figures are the
+    library's predict_ranks and the saved trace is the highest rank's."""
+    from vramkit import trace as vt
+
+    sys.path.insert(0, str(TESTS / "unit"))
+    import sharded_models
+
+    (tmp_path / "sharded.py").write_text(SHARDED)
+    proc = vramkit_cli("fit", "sharded.py", "--world-size", "4", "--gpu", "H100-80GB", "--batch-size", "2",
+                       "--no-search", "--entry", "zero_step", "--trace", "t.vktrace", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("batch size 2: fits"), proc.stdout
+    assert "world size 4, batch size 2 per rank (8 in all)" in proc.stdout
+    report = vt.predict_ranks(lambda bs: sharded_models.builder("gpt", "zero", batch=bs)(), 2, world_size=4,
+                              gpu="H100-80GB")
+    assert len(report.predictions) == 4  # ZeroRedundancyOptimizer: ranks differ, so every rank is captured
+    for rank, pred in report.predictions.items():
+        row = next(line for line in lines if line.split()[:1] == [str(rank)])
+        assert vt.format_size(pred.peak_allocated) in row, (row, pred.peak_allocated)
+    saved = vt.load(tmp_path / "t.vktrace")
+    assert saved.meta["distributed"]["world_size"] == 4
+    assert saved.meta["distributed"]["rank"] == report.worst_rank
+    assert "nccl" in proc.stdout and "650.00 MiB" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rank", "1"], "--rank 1 needs --world-size N with N > 1"),
+    (["--world-size", "2", "--rank", "2"], "--rank 2 needs --world-size N with N > 2"),
+    (["--world-size", "0"], "--world-size: expected a positive integer, got 0"),
+])
+def test_fit_sharded_bad_input(tmp_path, args, message):
+    (tmp_path / "sharded.py").write_text(SHARDED)
+    proc = vramkit_cli("fit", "sharded.py", "--device-memory", "24GiB", "--batch-size", "2", "--no-search", *args,
+                       cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr, proc.stderr

@@ -52,8 +52,8 @@ def profiler_peaks(step, steps: int = 2) -> tuple[int, int]:
 
 def total_peak(t: vt.Trace) -> int:
     """Peak live bytes of everything in the trace, setup included (what a process holds at
-    most), host scalars left out."""
-    counted = t.alloc_category != vt.CATEGORIES.index("host")
+    most), host scalars and the script's own meta storage ("deferred") left out."""
+    counted = ~np.isin(t.alloc_category, [vt.CATEGORIES.index("host"), vt.CATEGORIES.index("deferred")])
     mem = t.kind <= vt.FREE
     sizes = np.where(counted, t.alloc_size.astype(np.int64), 0)
     return int(np.cumsum(np.where(t.kind[mem] == vt.ALLOC, sizes[t.id[mem]], -sizes[t.id[mem]])).max())

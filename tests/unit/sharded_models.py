@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 VOCAB, DIM, LAYERS, SEQ, HEADS = 1003, 96, 3, 32, 4  # 1003: parameters not divisible by the world size
-STRATEGIES = ["ddp", "fsdp2", "fsdp2-no-reshard", "fsdp2-bf16-checkpointed", "zero"]
+STRATEGIES = ["ddp", "fsdp2", "fsdp2-no-reshard", "fsdp2-bf16-checkpointed", "fsdp2-deferred", "zero"]
 
 
 class Block(nn.Module):
@@ -72,7 +72,9 @@ def builder(model_name: str, strategy: str, batch: int = 4):
 
     def build():
         torch.manual_seed(0)
-        model = GPT() if model_name == "gpt" else CNN()
+        device = torch.get_default_device()
+        with torch.device("meta" if strategy == "fsdp2-deferred" else device):  # FSDP2's shard-then-allocate recipe
+            model = GPT() if model_name == "gpt" else CNN()
         if strategy == "fsdp2-bf16-checkpointed" and model_name == "gpt":
             for block in model.blocks:
                 block.checkpointed = True
@@ -87,6 +89,12 @@ def builder(model_name: str, strategy: str, batch: int = 4):
             for block in model.blocks:
                 fully_shard(block, reshard_after_forward=reshard, mp_policy=mp)
             fully_shard(model, reshard_after_forward=reshard, mp_policy=mp)
+            if strategy == "fsdp2-deferred":
+                model.to_empty(device=device)
+                with torch.no_grad():
+                    for module in model.modules():
+                        if hasattr(module, "reset_parameters"):
+                            module.reset_parameters()
         if strategy == "zero":
             from torch.distributed.optim import ZeroRedundancyOptimizer
 

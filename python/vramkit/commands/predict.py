@@ -1,6 +1,7 @@
 """`vramkit fit` and `vramkit replay`: will a training step fit on a GPU of a given size?
 
     vramkit fit SCRIPT --gpu H100-80GB | --device-memory 24GiB [--batch-size N] [--entry NAME | module:function] ...
+    vramkit fit SCRIPT --world-size 8 --gpu H100-80GB [--batch-size N] [--rank R] ...   (per rank, sharded)
     vramkit replay TRACE --gpu A100-40GB | --device-memory 40GiB [--alloc-conf OPTIONS] ...
 
 `fit` loads SCRIPT without running its `__main__` block (run_name "__vramkit_fit__"), takes
@@ -77,6 +78,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="GPU memory outside the allocator: CUDA context and libraries (default 512)")
     p.add_argument("--cublas-workspace-mib", type=_mib, default=None, metavar="MIB",
                    help="cuBLAS workspace allocated at the first matmul (default 32; 0 for a recorded GPU trace)")
+    p.add_argument("--nccl-mib", type=_mib, default=None, metavar="MIB",
+                   help="NCCL's memory outside the allocator per GPU (default 650 with --world-size, else 0)")
     p.add_argument("--html", default="vramkit-predict.html", metavar="PATH",
                    help="where to write the HTML timeline of the replay (default: %(default)s)")
     p.add_argument("--top", type=_non_negative_int, default=5, metavar="N",
@@ -101,6 +104,11 @@ def add_commands(commands: Any) -> None:
                      help="the largest batch size the search tries (default: %(default)s)")
     fit.add_argument("--no-search", action="store_true",
                      help="only predict --batch-size; do not search the largest batch size")
+    fit.add_argument("--world-size", type=_positive_int, default=None, metavar="N",
+                     help="predict one GPU of an N-GPU torch.distributed job (DDP, FSDP2, ZeroRedundancyOptimizer): "
+                          "the script's step runs as each rank in turn, batch sizes are per rank")
+    fit.add_argument("--rank", type=_non_negative_int, default=None, metavar="R",
+                     help="with --world-size: only this rank (default: the ranks whose shards differ)")
     fit.add_argument("--trace", default=None, metavar="PATH",
                      help="also save the trace (of --batch-size, else of the largest size that fits) as .vktrace")
     replay = commands.add_parser(
@@ -137,6 +145,12 @@ def _overheads(ns: argparse.Namespace, recorded_on_gpu: bool) -> Any:
         kw["cuda_context"] = ns.cuda_context_mib
     if ns.cublas_workspace_mib is not None:
         kw["cublas_workspace"] = ns.cublas_workspace_mib
+    if ns.nccl_mib is not None:
+        kw["nccl"] = ns.nccl_mib
+    elif getattr(ns, "world_size", None) is not None:
+        from ..trace.gpu_profiles import NCCL_DEFAULT
+
+        kw["nccl"] = NCCL_DEFAULT
     return GpuOverheads(**{**base.__dict__, **kw})
 
 
@@ -255,6 +269,9 @@ def cmd_fit(ns: argparse.Namespace) -> int:
         return BAD_INPUT
     if not _capacity(ns, "fit"):
         return BAD_INPUT
+    if ns.rank is not None and (ns.world_size is None or ns.rank >= ns.world_size):
+        _error("fit", f"--rank {ns.rank} needs --world-size N with N > {ns.rank} (ranks are 0 to N-1)")
+        return BAD_INPUT
 
     def progress(line: str) -> None:
         print(f"  {line}", file=sys.stderr, flush=True)
@@ -263,10 +280,23 @@ def cmd_fit(ns: argparse.Namespace) -> int:
     print(f"capturing {os.path.basename(script)}:{ns.entry} on meta and replaying on {on} ...", file=sys.stderr,
           flush=True)
     start = time.perf_counter()
+    ranks = None
     try:
+        sharded: dict[str, Any] = {}
+        if ns.world_size is not None:
+            # Which ranks differ, at the batch size asked (or 1): the search then runs on the highest.
+            ranks = vt.predict_ranks(builder, ns.batch_size or 1, world_size=ns.world_size, capacity=ns.device_memory,
+                                     gpu=ns.gpu, ranks=None if ns.rank is None else [ns.rank], steps=ns.steps,
+                                     alloc_conf=ns.alloc_conf, overheads=_overheads(ns, False), progress=progress)
+            sharded = {"world_size": ns.world_size, "rank": ranks.worst_rank}
         report = vt.fit(builder, ns.device_memory, gpu=ns.gpu, batch_size=ns.batch_size, max_batch_size=ns.max_batch_size,
                         steps=ns.steps, alloc_conf=ns.alloc_conf, overheads=_overheads(ns, False),
-                        search=not ns.no_search, progress=progress)
+                        search=not ns.no_search, progress=progress, **sharded)
+        if ranks is not None and ns.batch_size is None and report.max_batch_size and report.max_batch_size != 1:
+            ranks = vt.predict_ranks(builder, report.max_batch_size, world_size=ns.world_size,
+                                     capacity=ns.device_memory, gpu=ns.gpu, ranks=sorted(ranks.predictions),
+                                     steps=ns.steps, alloc_conf=ns.alloc_conf, overheads=_overheads(ns, False),
+                                     progress=progress)
     except vt.CaptureError as exc:
         if exc.__cause__ is not None:  # the step's own failure: show where, as python would
             import traceback
@@ -283,6 +313,9 @@ def cmd_fit(ns: argparse.Namespace) -> int:
                       "optimizer and a batch and return the step function")
         return FAILED
     print(report.table(top=ns.top))
+    if ranks is not None:
+        print()
+        print(ranks.table())
     chosen = ns.batch_size or report.max_batch_size or 1  # nothing fits: show batch 1, where it fails
     if chosen:
         try:
@@ -291,7 +324,8 @@ def cmd_fit(ns: argparse.Namespace) -> int:
             trace = report.trace(chosen)
         except KeyError:  # a size the fit did not probe (none today): capture it as the fit would
             trace = vt.capture(builder, chosen, device="meta", steps=ns.steps, meta={"batch_size": chosen},
-                               cuda=ns.gpu.cuda_choices() if ns.gpu is not None else True)
+                               cuda=ns.gpu.cuda_choices() if ns.gpu is not None else True,
+                               **({"world_size": ns.world_size, "rank": ranks.worst_rank} if ranks is not None else {}))
         pred = vt.replay(trace, ns.device_memory, ns.alloc_conf, overheads=_overheads(ns, False), curves=True)
         page = _write_html("fit", ns.html, trace, pred, f"vramkit fit: {os.path.basename(script)}, batch size "
                                                          f"{chosen}, {vt.format_size(ns.device_memory)}")

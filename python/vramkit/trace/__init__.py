@@ -10,6 +10,9 @@
   what was live at the peak by category and module.
 * ``fit(build, "24GiB", batch_size=...)`` finds the largest batch size that fits and what makes
   a given one fit.
+* ``capture(..., world_size=8, rank=3)`` captures one rank of a sharded job (DDP, FSDP2,
+  ZeroRedundancyOptimizer) in this process; ``predict_ranks`` replays each rank whose shards
+  differ, and ``fit(..., world_size=8)`` searches per-rank batch sizes.
 * ``Trace.save`` / ``load`` read and write ``.vktrace`` files; ``load`` (and
   ``from_torch_snapshot``) also read PyTorch's memory snapshot pickles, so a run recorded on a
   real GPU replays here. Reading a file never runs code from it (plain data only).
@@ -29,7 +32,7 @@ from .replay_sim import NO_OVERHEADS, GpuOverheads, Prediction, format_size, par
 __all__ = [
     "ALLOC", "CATEGORIES", "FREE", "GpuOverheads", "GpuProfile", "NO_OVERHEADS", "PHASE", "PHASES", "PROFILES",
     "Prediction", "STEP", "Trace", "TraceFormatError", "capture", "fit", "format_size", "from_torch_snapshot",
-    "gpu_profile", "load", "parse_size", "peak_live_bytes", "replay",
+    "gpu_profile", "load", "parse_size", "peak_live_bytes", "predict_ranks", "replay",
 ]
 
 
@@ -77,7 +80,22 @@ def fit(build: Any, capacity: Any = "24GiB", **kwargs: Any) -> Any:
     return _fit(build, capacity, **kwargs)
 
 
+def predict_ranks(build: Any, batch_size: int, **kwargs: Any) -> Any:
+    """See ``vramkit.trace.sharded_fit.predict_ranks`` (imports torch)."""
+    from .sharded_fit import predict_ranks as _predict_ranks
+
+    return _predict_ranks(build, batch_size, **kwargs)
+
+
 def __getattr__(name: str) -> Any:
+    if name in ("RankReport",):
+        from . import sharded_fit
+
+        return getattr(sharded_fit, name)
+    if name in ("ShardedCaptureError",):
+        from . import fake_dist
+
+        return getattr(fake_dist, name)
     if name in ("CaptureError",):
         from . import capture_step
 

@@ -174,6 +174,12 @@ class _Recorder:
             self._mark()
             self.events.append((FREE, i, self.size[i]))
 
+    def counts(self, st: Any) -> bool:
+        """Whether a storage is memory of this capture: on its device, or a CPU storage in a
+        meta capture (host memory on a GPU run). A meta tensor in a CPU capture (a script that
+        builds its model on meta before ``to_empty``) holds nothing."""
+        return bool(st.device.type == self.device.type or (self.device.type == "meta" and st.device.type == "cpu"))
+
     def resized(self, st: Any, dtype: str) -> None:
         """`st` was resized in place (``UntypedStorage.resize_``: FSDP frees and re-creates its
         unsharded parameters this way): its old allocation is freed and, if it is not empty
@@ -238,13 +244,13 @@ class _CaptureMode(TorchDispatchMode):
             note_collective(func, args, kwargs, rec.collectives)
         out = func(*args, **kwargs) if self.values is None else self.values.run(func, args, kwargs)
         outs = _plain(tree_flatten(out)[0])
-        fresh = [(t, st) for t in outs if (st := _storage_of(t)) is not None]
+        fresh = [(t, st) for t in outs if (st := _storage_of(t)) is not None and rec.counts(st)]
         if not fresh:
             return out
         ins = _plain(tree_flatten((args, kwargs))[0])
         for t in ins:
             st = _storage_of(t)
-            if st is not None and rec.id_of(st) is None and int(st.nbytes()):
+            if st is not None and rec.id_of(st) is None and int(st.nbytes()) and rec.counts(st):
                 # Made outside any operation we saw (torch.tensor from Python data, from_numpy):
                 # it counts from the moment it is first used.
                 rec.new_storage(st, t.dtype, "(first use)")
@@ -408,7 +414,8 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
     try:
         emulation = emulate_autocast() if dev.type == "meta" else contextlib.nullcontext()
         sharded = one_rank(world_size, rank, dev) if world_size is not None else contextlib.nullcontext(None)
-        with sharded as group, torch.device(dev), emulation, install_choices(cuda, dev.type), _storage_resizes(rec):
+        with sharded as group, torch.device(dev), emulation, install_choices(cuda, dev.type), _storage_resizes(rec), \
+                (_deferred_init(rec) if dev.type == "meta" else contextlib.nullcontext()):
             rec.collectives = group.log if group is not None else None
             tag_args(rec, (args, kwargs))
             mode = _CaptureMode(rec)
@@ -466,6 +473,31 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
         restore_blocks(rec)
         rec.close()
         _ACTIVE.release()
+
+
+@contextlib.contextmanager
+def _deferred_init(rec: _Recorder) -> Any:
+    """On a meta capture, ``Module.to_empty`` marks the script's own deferred initialization:
+    it built the model on meta on purpose (FSDP2's shard-then-allocate recipe) and now gives it
+    real storage. What the setup made before that call (the full parameters, FSDP2's padded
+    shards of them, freed since or not) is "deferred": no memory in a real run. A tensor the
+    script made on the real device before it, a batch say, is taken for deferred too; build
+    the model first."""
+    original = nn.Module.to_empty
+
+    def to_empty(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() == rec.thread and rec.step == 0:  # the first call: a builder's setup
+            with rec.lock:
+                for i, category in enumerate(rec.category):
+                    if category in (_CAT["unknown"], _CAT["parameter"], _CAT["buffer"]):
+                        rec.category[i] = _CAT["deferred"]
+        return original(self, *args, **kwargs)
+
+    nn.Module.to_empty = to_empty  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.to_empty = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

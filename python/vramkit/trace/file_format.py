@@ -47,8 +47,11 @@ PHASES = ("setup", "forward", "backward", "optimizer", "other")
 # What an allocation holds, as far as the capture can tell (the breakdown at the peak).
 # "host": made on the capture device but kept in host memory on a GPU run (an Adam `step`
 # counter); a GPU prediction leaves it out. "workspace": a GPU-only line item (cuBLAS).
+# "deferred": made by the script itself on meta before `Module.to_empty` gave the model its real
+# storage (FSDP2's shard-then-allocate recipe); a real run holds no memory for it, and a GPU
+# prediction leaves it out. Appended last, so files written before it read the same.
 CATEGORIES = ("parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "buffer",
-              "workspace", "host", "unknown")
+              "workspace", "host", "unknown", "deferred")
 
 _EVENT_COLUMNS = {"kind": np.uint8, "id": np.int64, "size": np.uint64, "stream": np.uint64}
 _ALLOC_COLUMNS = {"alloc_dtype": np.int16, "alloc_category": np.uint8, "alloc_module": np.int32,

@@ -21,7 +21,8 @@ from typing import Any, Callable, Mapping
 from .capture_step import capture
 from .derive_batch import MIN_BATCH_SIZE, BatchModel, first_difference, mismatch
 from .file_format import Trace
-from .gpu_profiles import gpu_profile
+from .fake_dist import check_rank
+from .gpu_profiles import NCCL_DEFAULT, gpu_profile
 from .replay_sim import GpuOverheads, Prediction, _conf_text, format_size, parse_size, replay
 
 __all__ = ["CAPTURED", "DERIVED", "FitReport", "Probe", "Suggestion", "fit"]
@@ -246,7 +247,8 @@ class _Traces:
 def fit(build: Callable[..., Any], capacity: Any = None, *, gpu: Any = None, batch_size: int | None = None,
         max_batch_size: int = 1 << 16, steps: int = 2, alloc_conf: Any = None,
         overheads: GpuOverheads | None = None, search: bool = True,
-        progress: Callable[[str], None] | None = None, derive: bool = True) -> FitReport:
+        progress: Callable[[str], None] | None = None, derive: bool = True, world_size: int | None = None,
+        rank: int = 0) -> FitReport:
     """Answer "does it fit, and if not what do I change" for a training step.
 
     `build(batch_size)` builds the model, optimizer and a batch (on the current default
@@ -275,7 +277,11 @@ def fit(build: Callable[..., Any], capacity: Any = None, *, gpu: Any = None, bat
     affine on them but not between them (a batch padded to a multiple of 8), which the check
     cannot see. Either way a trace is shared by all allocator options (they change only the
     replay). ``FitReport.captures`` counts the captures, ``Probe.trace_source`` says which
-    traces were derived."""
+    traces were derived.
+
+    With `world_size` (and `rank`), the step is one rank of a sharded job (``capture``'s
+    arguments of the same names): batch sizes are per rank, and NCCL's memory is a line item
+    (``GpuOverheads.nccl``) unless `overheads` sets it. ``predict_ranks`` compares the ranks."""
     if not callable(build):
         raise TypeError(f"build must be callable (batch_size -> step function), got {type(build).__name__}")
     profile = gpu_profile(gpu) if gpu is not None else None
@@ -284,6 +290,12 @@ def fit(build: Callable[..., Any], capacity: Any = None, *, gpu: Any = None, bat
     cap = parse_size(capacity)
     if overheads is None and profile is not None:
         overheads = profile.overheads()
+    if world_size is not None:
+        check_rank(world_size, rank)
+        if overheads is None:
+            overheads = GpuOverheads()
+        if not overheads.nccl:  # a distributed job: NCCL's buffers outside the allocator
+            overheads = GpuOverheads(**{**overheads.__dict__, "nccl": NCCL_DEFAULT})
     for name, value in (("max_batch_size", max_batch_size), ("steps", steps)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -300,6 +312,8 @@ def fit(build: Callable[..., Any], capacity: Any = None, *, gpu: Any = None, bat
     capture_options: dict[str, Any] = {"checkpoint_blocks": False, "autocast": None}
     if profile is not None:
         capture_options["cuda"] = profile.cuda_choices()
+    if world_size is not None:  # one rank of a sharded job (fake_dist): the batch size is per rank
+        capture_options.update(world_size=world_size, rank=rank)
     traces = _Traces(build, steps, derive, say)
     cache: dict[tuple[int, str, tuple[tuple[str, str], ...]], Probe] = {}
 

@@ -192,10 +192,13 @@ def _with_overheads(trace: Trace, overheads: GpuOverheads, include_host: bool) -
     (-1 for an inserted line item)."""
     kind, ids, size, stream = trace.kind, trace.id, trace.size, trace.stream
     keep = np.ones(len(kind), bool)
-    if not include_host and trace.num_allocations:
-        host = trace.alloc_category == CATEGORIES.index("host")
+    if trace.num_allocations:
+        # deferred: meta storage the script made before to_empty, no memory in a real run
+        left_out = trace.alloc_category == CATEGORIES.index("deferred")
+        if not include_host:
+            left_out |= trace.alloc_category == CATEGORIES.index("host")
         mem = kind <= FREE
-        keep[mem] = ~host[ids[mem]]
+        keep[mem] = ~left_out[ids[mem]]
     src = np.flatnonzero(keep)
     kind, ids, size, stream = kind[src], ids[src], size[src], stream[src]
     extra = [(name, value) for name, value, where in overheads.items() if where == "allocator"]

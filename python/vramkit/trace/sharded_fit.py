@@ -1,0 +1,178 @@
+"""Per-rank predictions for sharded training: ``predict_ranks(build, batch_size, world_size=8, ...)``.
+
+Each captured rank is a meta capture under ``fake_dist`` (``capture(world_size=, rank=)``),
+replayed on the GPU with the line items of a distributed job: the profile's, plus NCCL's memory
+outside the allocator (``GpuOverheads.nccl``; 650 MiB by default, measured on an H200).
+
+**Which ranks are captured.**
+- Under DDP every rank holds the same storages.
+- Under FSDP2 every rank's parameter storage is padded to the same chunk, but the last ranks'
+  local tensors (and so their optimizer states) can be shorter.
+- ZeroRedundancyOptimizer gives whole parameters to ranks, so ranks differ.
+
+So rank 0 and the last rank are captured first. If their parameters, gradients or optimizer
+states differ by more than 1 %, every rank is captured, up to `max_ranks`; a larger job then
+captures an evenly spread sample and says so. Per-rank batch sizes are what the builder is given: the global batch is world size x batch
+size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .capture_step import capture
+from .file_format import CATEGORIES, FREE, Trace
+from .gpu_profiles import NCCL_DEFAULT, GpuOverheads, gpu_profile
+from .replay_sim import Prediction, format_size, parse_size, replay
+
+__all__ = ["RankReport", "predict_ranks"]
+
+
+@dataclass
+class RankReport:
+    """Per-rank predictions of one sharded step at one per-rank batch size."""
+
+    world_size: int
+    batch_size: int
+    capacity: int
+    predictions: dict[int, Prediction]  # rank -> its replay
+    traces: dict[int, Trace] = field(repr=False, default_factory=dict)
+    note: str = ""  # which ranks were captured, and why
+
+    @property
+    def fits(self) -> bool:
+        return all(p.fits for p in self.predictions.values())
+
+    @property
+    def worst_rank(self) -> int:
+        """The rank with the highest peak reserved (the first to run out of memory)."""
+        return max(self.predictions, key=lambda r: (self.predictions[r].peak_reserved, -r))
+
+    def imbalance(self) -> str:
+        """What the highest rank holds more of than the lowest, at their peaks, in words."""
+        if len(self.predictions) < 2:
+            return ""
+        hi = self.worst_rank
+        lo = min(self.predictions, key=lambda r: (self.predictions[r].peak_reserved, r))
+        a, b = self.predictions[hi], self.predictions[lo]
+        if a.peak_reserved - b.peak_reserved <= 0.01 * max(b.peak_reserved, 1):
+            return "the ranks are within 1 % of each other"
+        if abs(a.peak_allocated - b.peak_allocated) <= 0.01 * max(b.peak_allocated, 1):
+            return (f"rank {hi} reserves {format_size(a.peak_reserved - b.peak_reserved)} more than rank {lo} for "
+                    "about the same allocations: the allocator's segments round differently")
+        diffs = sorted(((a.by_category.get(c, 0) - b.by_category.get(c, 0), c)
+                        for c in set(a.by_category) | set(b.by_category)), reverse=True)
+        amount, category = diffs[0]
+        why = ""
+        if category == "optimizer_state":
+            why = " (ZeroRedundancyOptimizer gives whole parameters to ranks, or the last ranks' shards are shorter)"
+        return (f"rank {hi} peaks {format_size(a.peak_reserved - b.peak_reserved)} above rank {lo}: it holds "
+                f"{format_size(amount)} more {category.replace('_', ' ')} at its peak{why}")
+
+    def collectives(self) -> dict[str, dict[str, int]]:
+        """The last captured step's collectives on the worst rank (count, bytes, bytes sent)."""
+        info = self.traces[self.worst_rank].meta.get("distributed", {}) if self.traces else {}
+        steps = info.get("steps") or [{}]
+        return dict(steps[-1])
+
+    def table(self) -> str:
+        worst = self.predictions[self.worst_rank]
+        verdict = "fits on every rank" if self.fits else f"does NOT fit: rank {self.worst_rank} runs out of memory"
+        lines = [f"world size {self.world_size}, batch size {self.batch_size} per rank "
+                 f"({self.world_size * self.batch_size} in all), {format_size(self.capacity)} per GPU: {verdict}",
+                 f"  {worst.verdict()}" if not self.fits else "", "",
+                 f"{'rank':>6}  {'peak allocated':>15}  {'peak reserved':>14}  live at the peak"]
+        for rank in sorted(self.predictions):
+            p = self.predictions[rank]
+            cats = ", ".join(f"{c.replace('_', ' ')} {format_size(b)}" for c, b in
+                             sorted(p.by_category.items(), key=lambda kv: -kv[1]) if b >= (1 << 20))
+            mark = " <- highest" if rank == self.worst_rank and len(self.predictions) > 1 else ""
+            lines.append(f"{rank:>6}  {format_size(p.peak_allocated):>15}  {format_size(p.peak_reserved):>14}  "
+                         f"{cats}{mark}")
+        lines += ["", self.note] if self.note else []
+        imbalance = self.imbalance()
+        if imbalance:
+            lines.append(imbalance)
+        comm = self.collectives()
+        if comm:
+            parts = [f"{op.replace('_', '-')} {v['count']}x, {format_size(v['sent'])} sent"
+                     for op, v in sorted(comm.items()) if v["count"]]
+            lines.append("collectives per step (rank %d): %s" % (self.worst_rank, "; ".join(parts)))
+        ov = worst.overheads
+        lines.append(f"outside the allocator per GPU: CUDA context {format_size(ov.cuda_context)}, NCCL "
+                     f"{format_size(ov.nccl)} (measured on an H200 with one rank; more with more peers)")
+        return "\n".join(line for line in lines if line is not None).replace("\n\n\n", "\n\n")
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _model_state(trace: Trace) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state the trace holds at its end, each: what
+    a rank's shards decide (activations follow the per-rank batch, the same on every rank)."""
+    import numpy as np
+
+    live = np.ones(trace.num_allocations, bool)
+    live[trace.id[trace.kind == FREE]] = False
+    return {c: int(trace.alloc_size[live & (trace.alloc_category == CATEGORIES.index(c))].sum())
+            for c in ("parameter", "gradient", "optimizer_state")}
+
+
+def _spread(world_size: int, count: int) -> list[int]:
+    if count >= world_size:
+        return list(range(world_size))
+    return sorted({round(i * (world_size - 1) / (count - 1)) for i in range(count)})
+
+
+def predict_ranks(build: Callable[..., Any], batch_size: int, *, world_size: int, capacity: Any = None,
+                  gpu: Any = None, ranks: list[int] | None = None, steps: int = 2, alloc_conf: Any = None,
+                  overheads: GpuOverheads | None = None, max_ranks: int = 64,
+                  progress: Callable[[str], None] | None = None) -> RankReport:
+    """Capture `build(batch_size)` as ranks of a `world_size`-rank job and replay each on the
+    GPU (`capacity` and/or `gpu`, as for ``fit``). `ranks`: which ranks (default: those whose
+    shards differ, see the module docstring). `overheads` default to the profile's with NCCL's
+    650 MiB added."""
+    say = progress or (lambda line: None)
+    profile = gpu_profile(gpu) if gpu is not None else None
+    if capacity is None and profile is None:
+        raise TypeError("predict_ranks() needs the GPU's capacity (e.g. \"80GiB\") or a GPU profile (gpu=\"H100-80GB\")")
+    cap = parse_size(capacity) if capacity is not None else profile.total_memory  # type: ignore[union-attr]
+    if overheads is None:
+        base = profile.overheads() if profile is not None else GpuOverheads()
+        overheads = GpuOverheads(**{**base.__dict__, "nccl": NCCL_DEFAULT})
+    options: dict[str, Any] = {"cuda": profile.cuda_choices()} if profile is not None else {}
+    traces: dict[int, Trace] = {}
+    preds: dict[int, Prediction] = {}
+
+    def one(rank: int) -> None:
+        if rank in traces:
+            return
+        say(f"capturing rank {rank} of {world_size} at batch size {batch_size} ...")
+        traces[rank] = capture(build, batch_size, device="meta", steps=steps, world_size=world_size, rank=rank,
+                               meta={"batch_size": batch_size}, **options)
+        preds[rank] = replay(traces[rank], cap, alloc_conf, overheads=overheads)
+
+    if ranks is not None:
+        for r in ranks:
+            one(r)
+        note = f"ranks captured: {', '.join(map(str, sorted(ranks)))} (as asked)"
+    else:
+        one(0)
+        one(world_size - 1)
+        a, b = _model_state(traces[0]), _model_state(traces[world_size - 1])
+        if all(abs(a[c] - b[c]) <= 0.01 * max(a[c], b[c], 1) for c in a):
+            note = (f"ranks captured: 0 and {world_size - 1}; their parameters, gradients and optimizer states are "
+                    "each within 1 %, as with replicated (DDP) or evenly padded (FSDP2) shards, so the others are taken to "
+                    "match")
+            if world_size == 1:
+                note = "one rank"
+        else:
+            chosen = _spread(world_size, max_ranks)
+            for r in chosen:
+                one(r)
+            note = (f"the shards of ranks 0 and {world_size - 1} differ by more than 1 %, so "
+                    + (f"every rank was captured" if len(chosen) == world_size
+                       else f"{len(chosen)} evenly spread ranks were captured (of {world_size})"))
+    return RankReport(world_size, batch_size, cap, preds, traces, note)
