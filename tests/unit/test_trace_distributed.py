@@ -204,6 +204,26 @@ def test_collectives_are_counted_per_step():
     assert ddp["all_reduce"]["bytes"] == full  # DDP all-reduces every gradient once per step
 
 
+@pytest.mark.parametrize("strategy", sm.STRATEGIES)
+def test_sharded_categories(strategy):
+    """FSDP2's gathered parameters are "unsharded_parameter": each step's allocations of them
+    add up to the bytes its all-gathers produce (logged by the process group, independently);
+    its collective buffers are "communication", at least the reduce-scatter inputs. DDP and
+    ZeroRedundancyOptimizer have neither."""
+    t = predict("gpt", strategy, 4, 0)
+    last = np.flatnonzero(t.kind == vt.STEP)[-1]
+    in_step = np.zeros(t.num_allocations, bool)
+    in_step[t.id[(np.arange(len(t.kind)) > last) & (t.kind == vt.ALLOC)]] = True
+    size = {c: int(t.alloc_size[in_step & (t.alloc_category == vt.CATEGORIES.index(c))].sum())
+            for c in ("unsharded_parameter", "communication")}
+    step = t.meta["distributed"]["steps"][-1]
+    if strategy.startswith("fsdp2"):
+        assert size["unsharded_parameter"] == step["all_gather"]["bytes"]
+        assert size["communication"] >= step["reduce_scatter"]["bytes"] > 0
+    else:
+        assert size == {"unsharded_parameter": 0, "communication": 0}
+
+
 def test_collective_bytes_ring_formulas():
     assert collective_bytes("all_reduce", 800, 4) == 1200
     assert collective_bytes("all_gather", 800, 4) == 600

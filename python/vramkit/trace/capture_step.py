@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from .autocast_meta import emulate_autocast
+from .capture_hooks import deferred_init, fsdp_buffers, storage_resizes
 from .cuda_choices import CudaChoices, install as install_choices
 from .fake_dist import COLLECTIVE_NAMESPACES, check_rank, collectives_by_step, note_collective, one_rank
 from .meta_values import DataDependentError, MetaValues
@@ -193,7 +194,9 @@ class _Recorder:
                 self._mark()
                 self.events.append((FREE, i, self.size[i]))
         if int(st.nbytes()):
-            self.new_storage(st, dtype, "aten::resize_ (storage)")
+            i = self.new_storage(st, dtype, "aten::resize_ (storage)")
+            if self.collectives is not None:  # a sharded capture: FSDP's gathered parameters
+                self.category[i] = _CAT["unsharded_parameter"]
 
     def id_of(self, st: Any) -> int | None:
         entry = self.live.get(st._cdata)
@@ -257,7 +260,9 @@ class _CaptureMode(TorchDispatchMode):
         name = func._schema.name
         for t, st in fresh:
             if rec.id_of(st) is None and int(st.nbytes()):
-                rec.new_storage(st, t.dtype, name)
+                i = rec.new_storage(st, t.dtype, name)
+                if func.namespace == "fsdp":  # FSDP2's all_gather_copy_in: its collective's buffers
+                    rec.category[i] = _CAT["communication"]
         return out
 
 
@@ -414,8 +419,9 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
     try:
         emulation = emulate_autocast() if dev.type == "meta" else contextlib.nullcontext()
         sharded = one_rank(world_size, rank, dev) if world_size is not None else contextlib.nullcontext(None)
-        with sharded as group, torch.device(dev), emulation, install_choices(cuda, dev.type), _storage_resizes(rec), \
-                (_deferred_init(rec) if dev.type == "meta" else contextlib.nullcontext()):
+        with sharded as group, torch.device(dev), emulation, install_choices(cuda, dev.type), storage_resizes(rec), \
+                (deferred_init(rec) if dev.type == "meta" else contextlib.nullcontext()), \
+                (fsdp_buffers(rec) if world_size is not None else contextlib.nullcontext()):
             rec.collectives = group.log if group is not None else None
             tag_args(rec, (args, kwargs))
             mode = _CaptureMode(rec)
@@ -473,51 +479,6 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
         restore_blocks(rec)
         rec.close()
         _ACTIVE.release()
-
-
-@contextlib.contextmanager
-def _deferred_init(rec: _Recorder) -> Any:
-    """On a meta capture, ``Module.to_empty`` marks the script's own deferred initialization:
-    it built the model on meta on purpose (FSDP2's shard-then-allocate recipe) and now gives it
-    real storage. What the setup made before that call (the full parameters, FSDP2's padded
-    shards of them, freed since or not) is "deferred": no memory in a real run. A tensor the
-    script made on the real device before it, a batch say, is taken for deferred too; build
-    the model first."""
-    original = nn.Module.to_empty
-
-    def to_empty(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if threading.get_ident() == rec.thread and rec.step == 0:  # the first call: a builder's setup
-            with rec.lock:
-                for i, category in enumerate(rec.category):
-                    if category in (_CAT["unknown"], _CAT["parameter"], _CAT["buffer"]):
-                        rec.category[i] = _CAT["deferred"]
-        return original(self, *args, **kwargs)
-
-    nn.Module.to_empty = to_empty  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.to_empty = original  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
-def _storage_resizes(rec: _Recorder) -> Any:
-    """Record ``UntypedStorage.resize_`` on the capturing thread: it reallocates a storage
-    outside the dispatcher, where the capture mode cannot see it."""
-    original = torch.UntypedStorage.resize_
-
-    def resize_(self: Any, size: int) -> Any:
-        before = int(self.nbytes())
-        out = original(self, size)
-        if int(self.nbytes()) != before and threading.get_ident() == rec.thread and self.device == rec.device:
-            rec.resized(self, "uint8")
-        return out
-
-    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
 
 
 def _call(fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:

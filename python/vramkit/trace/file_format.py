@@ -50,8 +50,11 @@ PHASES = ("setup", "forward", "backward", "optimizer", "other")
 # "deferred": made by the script itself on meta before `Module.to_empty` gave the model its real
 # storage (FSDP2's shard-then-allocate recipe); a real run holds no memory for it, and a GPU
 # prediction leaves it out. Appended last, so files written before it read the same.
+# Sharded training (appended likewise): "unsharded_parameter", FSDP's gathered parameters (the
+# all-gather outputs it frees and re-creates with UntypedStorage.resize_); "communication", the
+# buffers FSDP allocates for its collectives (all-gather copy-in and outputs, reduce-scatter).
 CATEGORIES = ("parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "buffer",
-              "workspace", "host", "unknown", "deferred")
+              "workspace", "host", "unknown", "deferred", "unsharded_parameter", "communication")
 
 _EVENT_COLUMNS = {"kind": np.uint8, "id": np.int64, "size": np.uint64, "stream": np.uint64}
 _ALLOC_COLUMNS = {"alloc_dtype": np.int16, "alloc_category": np.uint8, "alloc_module": np.int32,
