@@ -291,9 +291,8 @@ _DISPATCHED: dict[str, tuple[str, int, bool]] = {
 
 
 def _group_size(args: Any, default: int) -> int:
+    """The size of the process group among a c10d op's arguments, else `default`."""
     for a in args:
-        if isinstance(a, int) and not isinstance(a, bool) and a > 0 and a is not args[0]:
-            pass
         size = getattr(a, "size", None)
         if callable(size) and not isinstance(a, torch.Tensor):
             try:
@@ -404,7 +403,7 @@ def one_rank(world_size: int, rank: int, device: torch.device) -> Iterator[Captu
     fake = FakeProcessGroup._create_internal(rank, world_size)
     for device_type in ("cpu", "cuda", "meta"):
         group._register_backend(torch.device(device_type), ProcessGroup.BackendType.CUSTOM, fake)
-    real_init, real_destroy = dist.init_process_group, dist.destroy_process_group
+    real_destroy = dist.destroy_process_group
 
     def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> None:
         asked = kwargs.get("world_size", -1)
@@ -425,7 +424,6 @@ def one_rank(world_size: int, rank: int, device: torch.device) -> Iterator[Captu
             yield group
     finally:
         real_destroy()
-        assert dist.init_process_group is real_init
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)
