@@ -5,6 +5,7 @@
     vramkit fit SCRIPT --device-memory 24GiB [--batch-size N] ...   (predict.py)
     vramkit replay TRACE --device-memory 40GiB ...                   (predict.py)
     vramkit smi [--watch SECONDS] [--kill-stale] ...                 (smi.py)
+    vramkit merge [--top N] vramkit-rank*.json                       (merge.py)
 
 The modules of this package are the only ones in vramkit that print.
 """
@@ -23,6 +24,7 @@ __all__ = ["main"]
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Memory tools for vramkit's caching allocator.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    from .merge import add_command as add_merge
     from .predict import add_commands
     from .run import add_command as add_run
     from .smi import add_command as add_smi
@@ -30,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     add_run(commands)
     add_commands(commands)
     add_smi(commands)
+    add_merge(commands)
     return parser
 
 
@@ -52,6 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .predict import cmd_fit, cmd_replay
 
             return cmd_fit(ns) if ns.command == "fit" else cmd_replay(ns)
+        if ns.command == "merge":
+            from .merge import cmd_merge
+
+            return cmd_merge(ns)
         from .smi import cmd_smi
 
         return cmd_smi(ns)
