@@ -181,6 +181,9 @@ SHARDED = textwrap.dedent(f"""
 
     def zero_step(batch_size):
         return sharded_models.builder("gpt", "zero", batch=batch_size)()
+
+    def ddp_step(batch_size):
+        return sharded_models.builder("gpt", "ddp", batch=batch_size)()
 """)
 
 
@@ -209,6 +212,44 @@ def test_fit_per_rank_of_a_sharded_job(tmp_path):
     assert saved.meta["distributed"]["world_size"] == 4
     assert saved.meta["distributed"]["rank"] == report.worst_rank
     assert "nccl" in proc.stdout and "650.00 MiB" in proc.stdout
+
+
+def test_fit_sharded_answers_the_fewest_gpus_and_what_to_change(tmp_path):
+    """A batch that does not fit on 2 GPUs: the smallest world size that fits it (FSDP2), and for
+    a DDP script that more GPUs do not help, with FSDP2 among the changes and its communication.
+    The figures are the library's (smallest_world_size and fit, checked against exhaustive
+    searches and the scripts written with each strategy in the unit tests)."""
+    from vramkit import trace as vt
+    from vramkit.trace.sharded_fit import smallest_world_size
+
+    sys.path.insert(0, str(TESTS / "unit"))
+    import sharded_models
+
+    (tmp_path / "sharded.py").write_text(SHARDED)
+    no_overheads = ["--cuda-context-mib", "0", "--cublas-workspace-mib", "0", "--nccl-mib", "0"]
+
+    def build(strategy):
+        return lambda bs: sharded_models.builder("gpt", strategy, batch=bs)()
+
+    peaks = {n: vt.predict_ranks(build("fsdp2"), 4, world_size=n, capacity="1GiB", overheads=vt.NO_OVERHEADS,
+                                 ranks=[0]).predictions[0].peak_reserved for n in (2, 4)}
+    assert peaks[4] < peaks[2]
+    cap = str(peaks[4])
+    proc = vramkit_cli("fit", "sharded.py", "--world-size", "2", "--device-memory", cap, "--batch-size", "4",
+                       "--no-search", "--max-world-size", "16", *no_overheads, cwd=tmp_path)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    answer = smallest_world_size(build("fsdp2"), 4, capacity=int(cap), limit=16, overheads=vt.NO_OVERHEADS,
+                                 known=vt.predict_ranks(build("fsdp2"), 4, world_size=2, capacity=int(cap),
+                                                        overheads=vt.NO_OVERHEADS))
+    assert answer.world_size == 4 and answer.line() in proc.stdout, proc.stdout
+
+    ddp = vt.predict_ranks(build("ddp"), 4, world_size=2, capacity="1GiB", overheads=vt.NO_OVERHEADS, ranks=[0])
+    cap = str(ddp.predictions[0].peak_reserved - 1)
+    proc = vramkit_cli("fit", "sharded.py", "--entry", "ddp_step", "--world-size", "2", "--device-memory", cap,
+                       "--batch-size", "4", "--no-search", *no_overheads, cwd=tmp_path)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "more GPUs do not make batch size 4 per rank fit: the script replicates the model" in proc.stdout
+    assert "  - FSDP2 instead of DDP" in proc.stdout and "this rank sends" in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize("args, message", [

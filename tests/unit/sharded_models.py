@@ -101,21 +101,27 @@ def builder(model_name: str, strategy: str, batch: int = 4):
             opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        if model_name == "gpt":
-            x = torch.randint(0, VOCAB, (batch, SEQ))
-            loss_of = lambda: F.cross_entropy(model(x).view(-1, VOCAB).float(), x.view(-1))  # noqa: E731
-        else:
-            x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
-            loss_of = lambda: F.cross_entropy(model(x), y)  # noqa: E731
-
-        def step() -> None:
-            loss_of().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        return step
+        return training_step(model_name, model, opt, batch)
 
     return build
+
+
+def training_step(model_name: str, model: nn.Module, opt: torch.optim.Optimizer, batch: int):
+    """One batch on the current default device, and the step over it (two lines, as a training
+    loop writes them)."""
+    if model_name == "gpt":
+        x = torch.randint(0, VOCAB, (batch, SEQ))
+        loss_of = lambda: F.cross_entropy(model(x).view(-1, VOCAB).float(), x.view(-1))  # noqa: E731
+    else:
+        x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
+        loss_of = lambda: F.cross_entropy(model(x), y)  # noqa: E731
+
+    def step() -> None:
+        loss_of().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
 
 
 def measure_rank(rank: int, world_size: int, port: int, configs: list[tuple[str, str]], out_dir: str,

@@ -109,6 +109,9 @@ def add_commands(commands: Any) -> None:
                           "the script's step runs as each rank in turn, batch sizes are per rank")
     fit.add_argument("--rank", type=_non_negative_int, default=None, metavar="R",
                      help="with --world-size: only this rank (default: the ranks whose shards differ)")
+    fit.add_argument("--max-world-size", type=_positive_int, default=1024, metavar="N",
+                     help="with --world-size and --batch-size: the largest world size the search for the fewest GPUs "
+                          "that fit the batch tries (default: %(default)s; 1 turns the search off)")
     fit.add_argument("--trace", default=None, metavar="PATH",
                      help="also save the trace (of --batch-size, else of the largest size that fits) as .vktrace")
     replay = commands.add_parser(
@@ -288,7 +291,8 @@ def cmd_fit(ns: argparse.Namespace) -> int:
             ranks = vt.predict_ranks(builder, ns.batch_size or 1, world_size=ns.world_size, capacity=ns.device_memory,
                                      gpu=ns.gpu, ranks=None if ns.rank is None else [ns.rank], steps=ns.steps,
                                      alloc_conf=ns.alloc_conf, overheads=_overheads(ns, False), progress=progress)
-            sharded = {"world_size": ns.world_size, "rank": ranks.worst_rank}
+            sharded = {"world_size": ns.world_size, "rank": ranks.worst_rank,
+                       "captured": {ns.batch_size or 1: ranks.traces[ranks.worst_rank]}}
         report = vt.fit(builder, ns.device_memory, gpu=ns.gpu, batch_size=ns.batch_size, max_batch_size=ns.max_batch_size,
                         steps=ns.steps, alloc_conf=ns.alloc_conf, overheads=_overheads(ns, False),
                         search=not ns.no_search, progress=progress, **sharded)
@@ -297,6 +301,13 @@ def cmd_fit(ns: argparse.Namespace) -> int:
                                      capacity=ns.device_memory, gpu=ns.gpu, ranks=sorted(ranks.predictions),
                                      steps=ns.steps, alloc_conf=ns.alloc_conf, overheads=_overheads(ns, False),
                                      progress=progress)
+        fewest = None
+        if ranks is not None and ns.batch_size is not None and ns.rank is None and ns.max_world_size > 1:
+            from ..trace.sharded_fit import smallest_world_size
+
+            fewest = smallest_world_size(builder, ns.batch_size, capacity=ns.device_memory, gpu=ns.gpu, known=ranks,
+                                         limit=max(ns.max_world_size, ns.world_size), steps=ns.steps,
+                                         alloc_conf=ns.alloc_conf, overheads=_overheads(ns, False), progress=progress)
     except vt.CaptureError as exc:
         if exc.__cause__ is not None:  # the step's own failure: show where, as python would
             import traceback
@@ -316,6 +327,8 @@ def cmd_fit(ns: argparse.Namespace) -> int:
     if ranks is not None:
         print()
         print(ranks.table())
+    if fewest is not None:
+        print(fewest.line())
     chosen = ns.batch_size or report.max_batch_size or 1  # nothing fits: show batch 1, where it fails
     if chosen:
         try:

@@ -92,6 +92,10 @@ def __getattr__(name: str) -> Any:
         from . import sharded_fit
 
         return getattr(sharded_fit, name)
+    if name in ("ShardingChange",):
+        from . import sharding_changes
+
+        return getattr(sharding_changes, name)
     if name in ("ShardedCaptureError",):
         from . import fake_dist
 

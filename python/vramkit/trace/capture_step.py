@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
@@ -36,14 +37,17 @@ from .autocast_meta import emulate_autocast
 from .capture_hooks import deferred_init, fsdp_buffers, storage_resizes
 from .cuda_choices import CudaChoices, install as install_choices
 from .fake_dist import COLLECTIVE_NAMESPACES, check_rank, collectives_by_step, note_collective, one_rank
-from .meta_values import DataDependentError, MetaValues
+from .meta_values import DataDependentError, MetaValues, tensors_in
 from .module_tags import LABEL, install_hooks, restore_blocks, tag_all, tag_args
 from .file_format import ALLOC, CATEGORIES, FREE, PHASE, PHASES, STEP, Trace
+from .sharding_changes import ShardingChange, sharding_changed, strategy_of
 
 __all__ = ["CaptureError", "capture"]
 
 _SETUP, _FORWARD, _BACKWARD, _OPTIMIZER, _OTHER = range(len(PHASES))
 _CAT = {name: i for i, name in enumerate(CATEGORIES)}
+PROGRESS_SECONDS = 5.0  # between the progress lines of a long capture
+OPS_BETWEEN_CLOCK_READS = 1024  # (a capture runs tens of thousands of ops a second)
 # One capture at a time: the hooks and the dispatch mode are process-wide.
 _ACTIVE = threading.Lock()
 
@@ -233,6 +237,20 @@ class _CaptureMode(TorchDispatchMode):
         super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is unannotated
         self.rec = rec
         self.values = MetaValues(origin_of=self._origin) if rec.device.type == "meta" else None
+        self.progress: Callable[[str], None] | None = None
+        self.ops = 0
+        self.stage = ""
+        self.started = self.last_line = time.monotonic()
+
+    def _still_running(self) -> None:
+        """A line every PROGRESS_SECONDS of a long capture: how far it is, and where."""
+        now = time.monotonic()
+        if self.progress is None or now - self.last_line < PROGRESS_SECONDS:
+            return
+        self.last_line = now
+        where = self.rec.module_stack[-1] if self.rec.module_stack else ""
+        self.progress(f"  capture running for {now - self.started:.0f} s: {self.ops:,} ops, in {self.stage}"
+                      f"{f', at {where}' if where else ''}")
 
     def _origin(self, t: torch.Tensor) -> str:
         st = _storage_of(t)
@@ -243,14 +261,17 @@ class _CaptureMode(TorchDispatchMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         rec = self.rec
+        self.ops += 1
+        if not self.ops % OPS_BETWEEN_CLOCK_READS:
+            self._still_running()
         if rec.collectives is not None and func.namespace in COLLECTIVE_NAMESPACES:
             note_collective(func, args, kwargs, rec.collectives)
         out = func(*args, **kwargs) if self.values is None else self.values.run(func, args, kwargs)
-        outs = _plain(tree_flatten(out)[0])
+        outs = _plain(tensors_in(out))
         fresh = [(t, st) for t in outs if (st := _storage_of(t)) is not None and rec.counts(st)]
         if not fresh:
             return out
-        ins = _plain(tree_flatten((args, kwargs))[0])
+        ins = _plain(tensors_in((args, kwargs)))
         for t in ins:
             st = _storage_of(t)
             if st is not None and rec.id_of(st) is None and int(st.nbytes()) and rec.counts(st):
@@ -355,6 +376,7 @@ def _as_device(device: Any) -> torch.device:
 def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps: int = 1,
             meta: dict[str, Any] | None = None, checkpoint_blocks: bool | int = False, autocast: Any = None,
             cuda: CudaChoices | bool = True, world_size: int | None = None, rank: int = 0,
+            sharding: ShardingChange | None = None, progress: Callable[[str], None] | None = None,
             **kwargs: Any) -> Trace:
     """Run `steps` training steps and return their allocation trace.
 
@@ -390,7 +412,9 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
     parameters, reduce-scatter inputs and DDP's buckets are in the trace at that rank's sizes.
     The step's own ``init_process_group`` call is absorbed and torchrun's variables (``RANK``,
     ``WORLD_SIZE``, ...) are set; ``trace.meta["distributed"]`` lists each step's collectives
-    and the bytes this rank sends.
+    and the bytes this rank sends. `sharding` (a ``ShardingChange``) runs the script's DDP or
+    FSDP2 calls with a different strategy (FSDP2 instead of DDP, reshard_after_forward, bf16).
+    `progress` receives a line every 5 s of a long capture (ops so far, the module running).
     Raises ``CaptureError`` (with the step's exception as cause) if the step raises;
     nothing is returned then.
     """
@@ -409,6 +433,9 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
         raise TypeError(f"cuda must be True, False or a vramkit.trace.CudaChoices, got {type(cuda).__name__}")
     _check_devices((args, kwargs), dev)
     check_rank(world_size, rank)
+    if sharding is not None and (world_size is None or not isinstance(sharding, ShardingChange)):
+        raise TypeError("sharding must be a vramkit.trace.ShardingChange, for a capture with world_size, got "
+                        f"{sharding!r}" + ("" if world_size is not None else " without world_size"))
     if not _ACTIVE.acquire(blocking=False):
         raise RuntimeError("another vramkit.trace.capture is running in this process; captures cannot nest")
     rec = _Recorder(dev)
@@ -419,17 +446,20 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
     try:
         emulation = emulate_autocast() if dev.type == "meta" else contextlib.nullcontext()
         sharded = one_rank(world_size, rank, dev) if world_size is not None else contextlib.nullcontext(None)
-        with sharded as group, torch.device(dev), emulation, install_choices(cuda, dev.type), storage_resizes(rec), \
+        with sharded as group, sharding_changed(sharding), torch.device(dev), emulation, \
+                install_choices(cuda, dev.type), storage_resizes(rec), \
                 (deferred_init(rec) if dev.type == "meta" else contextlib.nullcontext()), \
                 (fsdp_buffers(rec) if world_size is not None else contextlib.nullcontext()):
             rec.collectives = group.log if group is not None else None
             tag_args(rec, (args, kwargs))
             mode = _CaptureMode(rec)
+            mode.progress = progress
             values = mode.values
             with mode, (values.tolist() if values is not None else contextlib.nullcontext()), \
                     (values.python_data() if values is not None else contextlib.nullcontext()):
                 try:
                     _begin_step(rec)
+                    mode.stage = "the builder, or step 1"
                     first = _call(step_fn, args, kwargs)
                     if callable(first) and not isinstance(first, (torch.Tensor, nn.Module)):
                         # A builder: what it made is the setup; the callable it returned is the step.
@@ -441,8 +471,9 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
                         step, form, left = None, "step", steps - 1
                         info["first_return"] = type(first).__name__
                     del first  # a step's return value (a loss, its graph) lives no longer than later ones
-                    for _ in range(left):
+                    for k in range(left):
                         _begin_step(rec)
+                        mode.stage = f"step {steps - left + k + 1} of {steps}"
                         if step is not None:
                             _call(step, (), {})
                         else:
@@ -457,8 +488,12 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
         info.update(source=f"capture:{dev.type}", device=dev.type, steps=steps, form=form,
                     torch_version=torch.__version__)
         if world_size is not None:
+            info["strategy"] = strategy_of((m for ref in rec.roots if (r := ref()) is not None for m in r.modules()),
+                                           [o for ref in rec.optimizers if (o := ref()) is not None])
             info["distributed"] = collectives_by_step(rec.collective_marks, rec.collectives or [], world_size, rank,
                                                       form)
+        if sharding:
+            info["sharding_change"] = sharding.describe()
         if checkpoint_blocks:
             info["checkpointed_blocks"] = rec.checkpointed_path
             info["checkpointed_count"] = rec.checkpointed_count

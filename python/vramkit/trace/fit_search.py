@@ -23,7 +23,8 @@ from .derive_batch import MIN_BATCH_SIZE, BatchModel, first_difference, mismatch
 from .file_format import Trace
 from .fake_dist import check_rank
 from .gpu_profiles import NCCL_DEFAULT, gpu_profile
-from .replay_sim import GpuOverheads, Prediction, _conf_text, format_size, parse_size, replay
+from .replay_sim import ON_DEVICE, GpuOverheads, Prediction, _conf_text, format_size, parse_size, peak_live_bytes, replay
+from .sharding_changes import change_for, communication_sent, sharding_cost, sharding_techniques
 
 __all__ = ["CAPTURED", "DERIVED", "FitReport", "Probe", "Suggestion", "fit"]
 
@@ -40,6 +41,7 @@ class Probe:
     prediction: Prediction
     seconds: float
     trace_source: str = CAPTURED  # CAPTURED or DERIVED (then the trace was computed, not run)
+    live_peak: int = 0  # peak of live bytes (rounded to blocks) on a GPU large enough for it
 
     @property
     def fits(self) -> bool:
@@ -128,11 +130,13 @@ class FitReport:
         return self.table()
 
 
-def _capture(build: Callable[..., Any], batch_size: int, steps: int, options: Mapping[str, Any]) -> Trace:
+def _capture(build: Callable[..., Any], batch_size: int, steps: int, options: Mapping[str, Any],
+             progress: Callable[[str], None] | None = None) -> Trace:
     """The one place fit captures: `options` are capture's keyword arguments (checkpoint_blocks,
     autocast, ...), passed through, so that a new capture option is a new entry in fit's
     `capture_options`, nothing here."""
-    trace = capture(build, batch_size, device="meta", steps=steps, meta={"batch_size": batch_size}, **options)
+    trace = capture(build, batch_size, device="meta", steps=steps, meta={"batch_size": batch_size},
+                    progress=progress, **options)
     if trace.meta.get("form") != "builder":
         name = getattr(build, "__qualname__", type(build).__name__)
         what = trace.meta.get("first_return", "no function")
@@ -151,7 +155,8 @@ def _how(options: Mapping[str, Any]) -> str:
     cuda = options.get("cuda")
     loop = getattr(cuda, "optimizer", True) is False
     half = "bf16" if autocast is None or "bfloat16" in str(autocast) else "fp16"
-    return ((" with the optimizer's foreach=False" if loop else "") + (f" with {half} autocast" if autocast else "")
+    sharding = options.get("sharding")
+    return ((f" with {sharding.describe()}" if sharding else "") + (" with the optimizer's foreach=False" if loop else "") + (f" with {half} autocast" if autocast else "")
             + ("" if not checkpoint_blocks else " checkpointing every block" if checkpoint_blocks is True
                else f" checkpointing {checkpoint_blocks} blocks"))
 
@@ -209,7 +214,7 @@ class _Traces:
                 return cfg.model.at(batch_size), DERIVED
             except ValueError as exc:  # a size the line takes below 0 or past 2**62 there: capture instead
                 self._stop(cfg, str(exc))
-        trace = _capture(self.build, batch_size, self.steps, cfg.options)
+        trace = _capture(self.build, batch_size, self.steps, cfg.options, self.say)
         self.captures += 1
         if self.derive and not cfg.off and batch_size >= MIN_BATCH_SIZE:
             self._learn(cfg, batch_size, trace)
@@ -248,7 +253,7 @@ def fit(build: Callable[..., Any], capacity: Any = None, *, gpu: Any = None, bat
         max_batch_size: int = 1 << 16, steps: int = 2, alloc_conf: Any = None,
         overheads: GpuOverheads | None = None, search: bool = True,
         progress: Callable[[str], None] | None = None, derive: bool = True, world_size: int | None = None,
-        rank: int = 0) -> FitReport:
+        rank: int = 0, captured: Mapping[int, Trace] | None = None) -> FitReport:
     """Answer "does it fit, and if not what do I change" for a training step.
 
     `build(batch_size)` builds the model, optimizer and a batch (on the current default
@@ -281,21 +286,22 @@ def fit(build: Callable[..., Any], capacity: Any = None, *, gpu: Any = None, bat
 
     With `world_size` (and `rank`), the step is one rank of a sharded job (``capture``'s
     arguments of the same names): batch sizes are per rank, and NCCL's memory is a line item
-    (``GpuOverheads.nccl``) unless `overheads` sets it. ``predict_ranks`` compares the ranks."""
+    (``GpuOverheads.nccl``) unless `overheads` sets it. ``predict_ranks`` compares the ranks.
+    `captured`: traces of the step as written already captured (with these options), by batch
+    size, used instead of capturing them again."""
     if not callable(build):
         raise TypeError(f"build must be callable (batch_size -> step function), got {type(build).__name__}")
     profile = gpu_profile(gpu) if gpu is not None else None
     if capacity is None:
         capacity = profile.total_memory if profile is not None else "24GiB"
     cap = parse_size(capacity)
+    given = overheads is not None
     if overheads is None and profile is not None:
         overheads = profile.overheads()
     if world_size is not None:
         check_rank(world_size, rank)
-        if overheads is None:
-            overheads = GpuOverheads()
-        if not overheads.nccl:  # a distributed job: NCCL's buffers outside the allocator
-            overheads = GpuOverheads(**{**overheads.__dict__, "nccl": NCCL_DEFAULT})
+        if not given:  # a distributed job: NCCL's buffers outside the allocator, unless the caller said
+            overheads = GpuOverheads(**{**(overheads or GpuOverheads()).__dict__, "nccl": NCCL_DEFAULT})
     for name, value in (("max_batch_size", max_batch_size), ("steps", steps)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -315,11 +321,15 @@ def fit(build: Callable[..., Any], capacity: Any = None, *, gpu: Any = None, bat
     if world_size is not None:  # one rank of a sharded job (fake_dist): the batch size is per rank
         capture_options.update(world_size=world_size, rank=rank)
     traces = _Traces(build, steps, derive, say)
+    for bs, trace in (captured or {}).items():
+        traces.config(capture_options).traces[bs] = (trace, CAPTURED)
     cache: dict[tuple[int, str, tuple[tuple[str, str], ...]], Probe] = {}
 
     def probe(bs: int, conf: Any = alloc_conf, checkpoint_blocks: bool | int = False, autocast: Any = None,
-              loop: bool = False) -> Probe:
+              loop: bool = False, sharding: Any = None) -> Probe:
         options = {**capture_options, "checkpoint_blocks": checkpoint_blocks, "autocast": autocast}
+        if sharding:
+            options["sharding"] = sharding
         if loop:  # the optimizer one parameter at a time: CUDA's foreach choice not made
             options["cuda"] = _without_foreach(options.get("cuda", True))
         key = (bs, str(conf), _options_key(options))
@@ -329,7 +339,9 @@ def fit(build: Callable[..., Any], capacity: Any = None, *, gpu: Any = None, bat
             pred = replay(trace, cap, conf, overheads=overheads)
             pred.checkpointed_blocks = trace.meta.get("checkpointed_blocks", "")
             pred.checkpointed_count = int(trace.meta.get("checkpointed_count", 0))
-            p = cache[key] = Probe(bs, pred, time.perf_counter() - t0, source)
+            pred.communication_sent = communication_sent(trace)
+            live = peak_live_bytes(trace, rounded=True, categories=ON_DEVICE)
+            p = cache[key] = Probe(bs, pred, time.perf_counter() - t0, source, live)
             verdict = f"fits, peak reserved {format_size(p.prediction.peak_reserved)}" if p.fits else "OOM"
             how = (f" with {conf}" if conf != alloc_conf else "") + _how(options)
             say(f"batch size {bs}{how}: {verdict} ({source}, {p.seconds:.1f} s)")
@@ -347,8 +359,11 @@ def fit(build: Callable[..., Any], capacity: Any = None, *, gpu: Any = None, bat
         # the capture made CUDA's choice for it (foreach).
         foreach = (bool(written.meta.get("optimizer_default_implementation"))
                    and bool(written.meta.get("cuda_choices", {}).get("optimizer")))
+        strategy = written.meta.get("strategy") or {}
         report.suggestions = _suggest(probe, batch_size, report.target, alloc_conf, foreach,
-                                      bf16=profile is None or profile.bf16)
+                                      bf16=profile is None or profile.bf16, sharding=sharding_techniques(strategy),
+                                      # FSDP2 computing in bf16 already: autocast would change next to nothing
+                                      amp=strategy.get("param_dtype") not in ("bfloat16", "float16"))
     plain = _options_key(capture_options)
     report.probes = [p for (bs, conf, options), p in sorted(cache.items(), key=lambda kv: kv[0][0])
                      if conf == str(alloc_conf) and options == plain]
@@ -411,11 +426,14 @@ def _without_foreach(cuda: Any) -> Any:
 
 
 def _suggest(probe: Callable[..., Probe], target: int, pred: Prediction, alloc_conf: Any,
-             foreach: bool = False, bf16: bool = True) -> list[Suggestion]:
+             foreach: bool = False, bf16: bool = True, sharding: list[str] | None = None,
+             amp: bool = True) -> list[Suggestion]:
     """The cheapest changes that make `target` fit: every single change that does, else every
     pair, and so on (allocator options are tried alone, when only fragmentation fails). With
     `foreach` (the step's optimizer runs CUDA's multi-tensor implementation), running it one
-    parameter at a time is one of the changes."""
+    parameter at a time is one of the changes. `sharding`: the sharding changes of a sharded
+    step (``sharding_changes.sharding_techniques``), each one more technique. `amp`: whether
+    bf16 autocast is one (not where FSDP2 already gathers parameters in bf16)."""
     out: list[Suggestion] = []
     # Fragmentation: the live bytes would fit but the reserved segments do not.
     if pred.oom and pred.oom.get("allocated", 0) + pred.oom.get("size", 0) <= pred.usable:
@@ -430,14 +448,23 @@ def _suggest(probe: Callable[..., Probe], target: int, pred: Prediction, alloc_c
                 break
     blocks = probe(target, alloc_conf, True).prediction.checkpointed_blocks
     found: dict[frozenset[str], int] = {}  # techniques (without accumulation) -> micro-batches needed
-    techniques_here = (["loop"] if foreach else []) + ["amp", "accumulate"] + (["checkpoint"] if blocks else [])
-    combos = [c for r in range(1, len(techniques_here) + 1) for c in itertools.combinations(techniques_here, r)]
+    sharding = [t for t in sharding or () if t != "mp" or bf16]  # (FSDP2 in fp16 needs a sharded grad scaler)
+    techniques_here = ((["loop"] if foreach else []) + sharding + (["amp"] if amp else []) + ["accumulate"]
+                       + (["checkpoint"] if blocks else []))
+    combos = [c for r in range(1, len(techniques_here) + 1) for c in itertools.combinations(techniques_here, r)
+              if not ("fsdp" in sharding and "mp" in c and "fsdp" not in c)]  # a DDP script: bf16 needs FSDP2
+    base_sent = pred.communication_sent
+    # Out of memory while the builder sets up (before any forward): a change to the forward,
+    # the backward or the optimizer alone leaves that part of the trace as it is.
+    in_setup = (pred.oom or {}).get("phase") == "setup"
     for combo in combos:
+        if in_setup and set(combo) <= {"amp", "checkpoint", "loop"}:
+            continue
         techniques = frozenset(c for c in combo if c != "accumulate")
         # A combination is worth reporting only if every smaller one needs more micro-batches.
         if any(t <= techniques and t != techniques for t in found if found[t] == 1):
             continue
-        s = _try(probe, target, alloc_conf, combo, blocks, bf16)
+        s = _try(probe, target, alloc_conf, combo, blocks, bf16, base_sent)
         if s is None:
             continue
         k = s.settings.get("accumulation_steps", 1)
@@ -458,7 +485,7 @@ _AMP_COST = ("the forward under torch.autocast(\"cuda\", dtype=torch.bfloat16) (
 
 
 def _try(probe: Callable[..., Probe], target: int, alloc_conf: Any, combo: tuple[str, ...],
-         blocks: str, bf16: bool = True) -> Suggestion | None:
+         blocks: str, bf16: bool = True, base_sent: int | None = None) -> Suggestion | None:
     """Probe one combination; with "accumulate", the fewest micro-batches (dividing the target)
     that fit. Autocast is to bf16, or to fp16 on a GPU without bf16 (compute capability < 8)."""
     import torch
@@ -466,29 +493,34 @@ def _try(probe: Callable[..., Probe], target: int, alloc_conf: Any, combo: tuple
     amp = (torch.bfloat16 if bf16 else torch.float16) if "amp" in combo else None
     ckpt = "checkpoint" in combo
     loop = "loop" in combo
+    change = change_for(combo)
     if "accumulate" in combo:
         sizes = [(target // k, k) for k in range(2, target + 1) if target % k == 0]
     else:
         sizes = [(target, 1)]
     for micro, k in sizes:
-        more = {"loop": True} if loop else {}  # (a probe without the loop option still serves the rest)
+        more: dict[str, Any] = {"loop": True} if loop else {}  # (a probe without the option serves the rest)
+        if change is not None:
+            more["sharding"] = change
+        if loop and _before_the_optimizer(probe(micro, alloc_conf, ckpt, amp, sharding=change).prediction):
+            continue  # the same trace up to there with either implementation: the loop cannot help
         p = probe(micro, alloc_conf, ckpt, amp, **more)
         if not p.fits:
             continue
         count = total = p.prediction.checkpointed_count
         if ckpt and k == 1:
-            # The fewest blocks that suffice, first ones first: fewer recomputed forwards.
-            lo, hi = 0, total  # checkpointing lo blocks does not fit (0: nothing known), hi does
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                q = probe(micro, alloc_conf, mid, amp, **more)
-                if q.fits:
-                    hi, p = mid, q
-                else:
-                    lo = mid
-            count = hi
+            count, p = _fewest_blocks(lambda c: probe(micro, alloc_conf, c or False, amp, **more), total, p)
         settings: dict[str, Any]
         parts, costs, settings = [], [], {}
+        for technique in (t for t in combo if change is not None and t in ("fsdp", "reshard", "mp")):
+            parts.append({"fsdp": "FSDP2 instead of DDP", "reshard": "reshard_after_forward=True",
+                          "mp": "FSDP2's bf16 MixedPrecisionPolicy"}[technique])
+            costs.append(sharding_cost(technique, blocks))
+            settings[technique] = True
+        if change is not None and p.prediction.communication_sent is not None and base_sent is not None:
+            sent = p.prediction.communication_sent
+            costs.append(f"this rank sends {format_size(sent)} per step in collectives ({_signed(sent - base_sent)} "
+                         f"against the script as written)")
         if loop:
             parts.append("the optimizer one parameter at a time (foreach=False)")
             costs.append(_LOOP_COST)
@@ -512,3 +544,49 @@ def _try(probe: Callable[..., Probe], target: int, alloc_conf: Any, combo: tuple
             settings.update(micro_batch_size=micro, accumulation_steps=k)
         return Suggestion(" + ".join(parts), settings, p.prediction, "; ".join(costs))
     return None
+
+
+def _signed(n: int) -> str:
+    return ("+" if n >= 0 else "-") + format_size(abs(n))
+
+
+def _fewest_blocks(probe_at: Callable[[int], Probe], total: int, fits_all: Probe) -> tuple[int, Probe]:
+    """The fewest repeated blocks (the first ones: their recomputation comes at the end of the
+    backward, when most activations are freed) whose checkpointing fits, and its probe;
+    `fits_all` is the probe with all `total` checkpointed, which fits.
+
+    A bisection, but each probe is placed where the line through the peaks live at the
+    bracket's ends crosses the largest live peak that fits (the fitting end's, plus the room its
+    segments leave), kept within the bracket's middle half (``middle_half``): memory falls
+    about linearly with the blocks checkpointed, so this often needs fewer captures than
+    halving, and where it does not (a peak that checkpointing does not move) each probe still
+    cuts the bracket by a quarter. The answer is a replay that fits, with one block fewer
+    replayed as not fitting."""
+    lo, hi = 0, total  # checkpointing lo blocks does not fit (0: taken not to, the target does not), hi does
+    best = fits_all
+    low = probe_at(0)
+    while hi - lo > 1:
+        span = low.live_peak - best.live_peak
+        room = best.prediction.usable - best.prediction.peak_reserved  # what the fitting end leaves
+        guess = lo + (low.live_peak - best.live_peak - room) * (hi - lo) / span if span > 0 else (lo + hi) / 2
+        mid = middle_half(lo, hi, int(guess) + 1)  # (rounded up: the fewest that may fit)
+        q = probe_at(mid)
+        if q.fits:
+            hi, best = mid, q
+        else:
+            lo, low = mid, q
+    return hi, best
+
+
+def _before_the_optimizer(pred: Prediction) -> bool:
+    """Whether a replay ran out of memory in the first step before its optimizer step, where the
+    trace is the same whatever the optimizer's implementation (a loop cannot help then)."""
+    oom = pred.oom or {}
+    return oom.get("step", 1) <= 0 and oom.get("phase") in ("setup", "forward", "backward")
+
+
+def middle_half(lo: int, hi: int, guess: int) -> int:
+    """`guess` moved into the middle half of the open bracket (lo, hi), so that an interpolated
+    probe shrinks the bracket by at least a quarter whichever way it goes."""
+    quarter = -(-(hi - lo) // 4)  # rounded up: a bracket of 5 is probed at its middle
+    return min(max(guess, lo + quarter), hi - quarter)

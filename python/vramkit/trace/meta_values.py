@@ -32,7 +32,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["DataDependentError", "MetaValues", "LIMIT_BYTES"]
+from .dtensor_local import NOT_HANDLED, foreach_on_shards
+
+__all__ = ["DataDependentError", "MetaValues", "LIMIT_BYTES", "tensors_in"]
 
 LIMIT_BYTES = 16 << 20  # per tensor: ids, positions and masks of real batches fit; activations do not
 
@@ -135,8 +137,7 @@ class MetaValues:
         """Run `func` on the meta arguments, computing values alongside where it can; answer
         data-dependent ops from values."""
         name = func._schema.name
-        flat, _ = tree_flatten((args, kwargs))
-        metas = [t for t in flat if isinstance(t, torch.Tensor) and t.device.type == "meta"]
+        metas = [t for t in tensors_in((args, kwargs)) if t.device.type == "meta"]
         known = all(self.value(t) is not None for t in metas)
         if func is _SCALAR:
             (t,) = metas or [args[0]]
@@ -156,7 +157,7 @@ class MetaValues:
                     raise self._error(unknown, f"the values of its elements ({name} on meta)") from exc
                 raise
             return self._from_values(func, args, kwargs)
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.device.type == "meta"]
+        outs = [t for t in tensors_in(out) if t.device.type == "meta"]
         small = all(t.numel() * t.element_size() <= self.limit for t in outs + mutated)
         if known and small and (outs or mutated):
             try:
@@ -236,6 +237,27 @@ class MetaValues:
             "docs/will-it-fit.md, 'Models with data-dependent shapes')")
 
 
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or outputs (tensors, lists, tuples, dicts of them): what
+    ``tree_flatten`` finds among them, in the same order, at a fraction of its cost, which in a
+    capture of 64,000 ops was a fifth of the capture's time.
+
+    A loop, not a recursive closure: a closure that calls itself is a reference cycle, which
+    would keep the list, and so every tensor in it, alive until Python's cycle collector runs,
+    and the capture would record their storages as freed late."""
+    out: list[torch.Tensor] = []
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+        elif isinstance(o, (list, tuple)):
+            stack.extend(reversed(o))
+        elif isinstance(o, dict):
+            stack.extend(reversed(list(o.values())))
+    return out
+
+
 _FAILED = object()
 _FROM_DATA = (torch.tensor, torch.as_tensor, torch.asarray)
 
@@ -248,6 +270,10 @@ class _PythonData(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        if getattr(func, "__name__", "").startswith("_foreach_"):  # the optimizer on FSDP2's DTensors
+            out = foreach_on_shards(func, args, kwargs)
+            if out is not NOT_HANDLED:
+                return out
         out = func(*args, **kwargs)
         if (func in _FROM_DATA and isinstance(out, torch.Tensor) and out.device.type == "meta" and args
                 and not isinstance(args[0], torch.Tensor)

@@ -40,6 +40,10 @@ _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 
 _DECIMAL = {"kb", "mb", "gb", "tb"}
 
 
+# The categories a replay puts on the GPU: not "deferred" (meta storages made before
+# Module.to_empty, which a real run never allocates) nor "host" (CPU memory).
+ON_DEVICE = [c for c in CATEGORIES if c not in ("deferred", "host")]
+
 def parse_size(value: Any, what: str = "capacity") -> int:
     """Bytes from an int or a string such as "24GiB", "40 GiB", "512MiB", "80g" (binary units).
 
@@ -113,6 +117,7 @@ class Prediction:
     curves: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     checkpointed_blocks: str = ""  # set by fit for a capture with checkpoint_blocks
     checkpointed_count: int = 0
+    communication_sent: int | None = None  # set by fit for a sharded trace: bytes this rank sends per step
 
     @property
     def fragmentation(self) -> float:

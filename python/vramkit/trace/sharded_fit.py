@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .capture_step import capture
+from .fit_search import middle_half
 from .file_format import CATEGORIES, FREE, Trace
 from .gpu_profiles import NCCL_DEFAULT, GpuOverheads, gpu_profile
-from .replay_sim import Prediction, format_size, parse_size, replay
+from .replay_sim import ON_DEVICE, Prediction, format_size, parse_size, peak_live_bytes, replay
 
-__all__ = ["RankReport", "predict_ranks"]
+__all__ = ["RankReport", "WorldSizeAnswer", "predict_ranks", "smallest_world_size", "world_sizes"]
 
 
 @dataclass
@@ -151,7 +152,7 @@ def predict_ranks(build: Callable[..., Any], batch_size: int, *, world_size: int
             return
         say(f"capturing rank {rank} of {world_size} at batch size {batch_size} ...")
         traces[rank] = capture(build, batch_size, device="meta", steps=steps, world_size=world_size, rank=rank,
-                               meta={"batch_size": batch_size}, **options)
+                               meta={"batch_size": batch_size}, progress=say, **options)
         preds[rank] = replay(traces[rank], cap, alloc_conf, overheads=overheads)
 
     if ranks is not None:
@@ -176,3 +177,124 @@ def predict_ranks(build: Callable[..., Any], batch_size: int, *, world_size: int
                     + (f"every rank was captured" if len(chosen) == world_size
                        else f"{len(chosen)} evenly spread ranks were captured (of {world_size})"))
     return RankReport(world_size, batch_size, cap, preds, traces, note)
+
+
+def world_sizes(limit: int) -> list[int]:
+    """The world sizes a search tries: 1, 2, 4, 8, then whole nodes of 8 GPUs, up to `limit`."""
+    return [n for n in (1, 2, 4) if n <= limit] + list(range(8, limit + 1, 8))
+
+
+@dataclass
+class WorldSizeAnswer:
+    """The smallest world size at which one per-rank batch size fits (0: none up to the limit)."""
+
+    batch_size: int
+    world_size: int
+    capacity: int
+    tried: dict[int, Prediction]  # world size -> the prediction of its highest rank captured
+    why_not: str = ""  # why more ranks do not help, when they do not
+    replicated: bool = False  # nothing sharded: every world size holds the same per GPU
+
+    def line(self) -> str:
+        cap = format_size(self.capacity)
+        if self.replicated and self.world_size:
+            return (f"batch size {self.batch_size} per rank fits with any number of GPUs: the script replicates the "
+                    "model (DDP or no sharding), so a GPU holds the same at every world size")
+        if self.why_not:
+            return f"more GPUs do not make batch size {self.batch_size} per rank fit: {self.why_not}"
+        if not self.world_size:
+            return (f"batch size {self.batch_size} per rank does not fit in {cap} per GPU at any world size up to "
+                    f"{max(self.tried)}")
+        p = self.tried[self.world_size]
+        return (f"batch size {self.batch_size} per rank needs at least {self.world_size} x {cap} (world size "
+                f"{self.world_size}: peak reserved {format_size(p.peak_reserved)} per GPU)")
+
+
+def smallest_world_size(build: Callable[..., Any], batch_size: int, *, capacity: Any = None, gpu: Any = None,
+                        known: RankReport | None = None, limit: int = 1024, steps: int = 2, alloc_conf: Any = None,
+                        overheads: GpuOverheads | None = None,
+                        progress: Callable[[str], None] | None = None) -> WorldSizeAnswer:
+    """The fewest ranks (from ``world_sizes(limit)``) at which `build(batch_size)` fits every
+    rank. `known`: a ``predict_ranks`` report at this batch size (its world size is a known
+    point, and its highest rank, first or last, is the one captured at the others).
+
+    Memory per rank falls as ranks are added only where something is sharded (FSDP2's
+    parameters, gradients and optimizer state; ZeroRedundancyOptimizer's state): under DDP
+    alone the answer is that more GPUs do not help. The search doubles (or halves) from the
+    known world size until the answer changes, then bisects among the world sizes between."""
+    say = progress or (lambda line: None)
+    sizes = world_sizes(limit)
+    tried: dict[int, Prediction] = {}
+    live: dict[int, int] = {}  # world size -> peak of live bytes on the GPU, whatever the capacity
+    strategy: dict[str, Any] = {}
+    cap = parse_size(capacity) if capacity is not None else gpu_profile(gpu).total_memory
+    last = bool(known is not None and known.worst_rank == known.world_size - 1 and known.world_size > 1)
+
+    def fits(n: int) -> bool:
+        if n not in tried:
+            if known is not None and n == known.world_size:
+                tried[n] = known.predictions[known.worst_rank]
+                trace = known.traces[known.worst_rank]
+            else:
+                say(f"world size {n}: capturing rank {n - 1 if last else 0} at batch size {batch_size} ...")
+                r = predict_ranks(build, batch_size, world_size=n, capacity=capacity, gpu=gpu,
+                                  ranks=[n - 1 if last else 0], steps=steps, alloc_conf=alloc_conf, overheads=overheads)
+                tried[n] = r.predictions[r.worst_rank]
+                trace = r.traces[r.worst_rank]
+            strategy.update(trace.meta.get("strategy", {}))
+            live[n] = peak_live_bytes(trace, rounded=True, categories=ON_DEVICE)
+        return tried[n].fits
+
+    start = known.world_size if known is not None else 8
+    i = min(range(len(sizes)), key=lambda k: abs(sizes[k] - start))
+    ok = fits(sizes[i])
+    if not (strategy.get("fsdp2") or strategy.get("zero")):
+        if ok:  # replicated and fitting: fits at any world size
+            return WorldSizeAnswer(batch_size, 1, cap, tried, replicated=True)
+        why = ("the script replicates the model on every GPU (DDP or no sharding), so a GPU holds the same at any "
+               "world size; shard it (FSDP2: fully_shard) to spread parameters, gradients and optimizer state")
+        return WorldSizeAnswer(batch_size, 0, cap, tried, why_not=why, replicated=True)
+    # sizes[lo] does not fit (-1: none known), sizes[hi] does (len(sizes): none known)
+    if ok:  # halve the world size until it does not fit
+        lo, hi = -1, i
+        while hi > 0:
+            j = max(k for k in range(hi) if sizes[k] <= max(1, sizes[hi] // 2))
+            if not fits(sizes[j]):
+                lo = j
+                break
+            hi = j
+    else:  # double it until it fits
+        lo, hi = i, len(sizes)
+        while lo < len(sizes) - 1:
+            j = min([k for k in range(lo + 1, len(sizes)) if sizes[k] >= 2 * sizes[lo]] or [len(sizes) - 1])
+            if fits(sizes[j]):
+                hi = j
+                break
+            lo = j
+    raw = True  # the first interpolated probe as the line says; then kept to the middle half
+    while hi - lo > 1:  # as fit's search for the fewest checkpointed blocks
+        guess = _interpolated(sizes, lo, hi, live, tried)
+        mid = (lo + hi) // 2 if guess is None else guess if raw else middle_half(lo, hi, guess)
+        raw = False
+        if fits(sizes[mid]):
+            hi = mid
+        else:
+            lo = mid
+    return WorldSizeAnswer(batch_size, sizes[hi] if hi < len(sizes) else 0, cap, tried)
+
+
+def _interpolated(sizes: list[int], lo: int, hi: int, live: dict[int, int], tried: dict[int, Prediction]) -> int | None:
+    """The index between lo and hi where a rank's live peak, taken as a + b / world size through
+    the bracket's ends (the sharded part shrinks as 1/N, the rest stays), falls to what the
+    fitting end leaves room for; None when that line says nothing (an end unknown, no slope)."""
+    if lo < 0 or hi >= len(sizes):
+        return None
+    n_lo, n_hi = sizes[lo], sizes[hi]
+    b = (live[n_lo] - live[n_hi]) / (1 / n_lo - 1 / n_hi)
+    a = live[n_hi] - b / n_hi
+    goal = live[n_hi] + tried[n_hi].usable - tried[n_hi].peak_reserved
+    if b <= 0 or goal <= a:
+        return None
+    need = b / (goal - a)
+    k = next((k for k in range(lo + 1, hi) if sizes[k] >= need), hi - 1)
+    return min(max(k, lo + 1), hi - 1)

@@ -1,0 +1,218 @@
+"""What-if sharding (``ShardingChange``), the smallest world size, the optimizer's foreach ops on
+shards, and progress lines of long captures.
+
+Each change is checked against the script written with that strategy: a DDP script captured
+with ``ShardingChange(fsdp=True)`` must hold, step for step, what the same model wrapped with
+``fully_shard`` by hand holds; and so on. The scripts as written are themselves checked against
+real gloo runs in ``test_trace_distributed.py``. The smallest world size is checked against an
+exhaustive search over world sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+import sharded_models as sm  # noqa: E402
+import vramkit.trace as vt  # noqa: E402
+from peaks import total_peak  # noqa: E402
+from vramkit.trace.sharded_fit import predict_ranks, smallest_world_size, world_sizes  # noqa: E402
+from vramkit.trace.sharding_changes import ShardingChange  # noqa: E402
+
+if not dist.is_available():
+    pytest.skip("torch.distributed is not available in this torch", allow_module_level=True)
+
+
+def capture(build, world_size=2, rank=0, **kw) -> vt.Trace:
+    kw.setdefault("cuda", False)  # as the CPU runs of test_trace_distributed do
+    return vt.capture(build, device="meta", steps=2, world_size=world_size, rank=rank, **kw)
+
+
+def by_hand_fsdp2(model_name: str, batch: int = 4):
+    """The FSDP2 recipe written out: fully_shard on each block, then on the model, defaults."""
+    def build():
+        from torch.distributed.fsdp import fully_shard
+
+        torch.manual_seed(0)
+        model = sm.GPT() if model_name == "gpt" else sm.CNN()
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return sm.training_step(model_name, model, opt, batch)
+
+    return build
+
+
+def model_state(trace: vt.Trace) -> dict[str, int]:
+    from vramkit.trace.sharded_fit import _model_state
+
+    return _model_state(trace)
+
+
+def collectives(trace: vt.Trace):
+    return trace.meta["distributed"]["steps"]
+
+
+@pytest.mark.parametrize("model", ["gpt", "cnn"])
+def test_ddp_sharded_with_fsdp2_holds_what_fsdp2_by_hand_holds(model):
+    changed = capture(sm.builder(model, "ddp"), sharding=ShardingChange(fsdp=True))
+    by_hand = capture(by_hand_fsdp2(model))
+    written = capture(sm.builder(model, "ddp"))
+    assert total_peak(changed) == total_peak(by_hand)
+    assert model_state(changed) == model_state(by_hand)
+    assert collectives(changed) == collectives(by_hand)
+    assert total_peak(changed) < total_peak(written)
+    assert changed.meta["strategy"]["fsdp2"] and not changed.meta["strategy"]["ddp"]
+    assert changed.meta["sharding_change"] == "FSDP2 instead of DDP"
+    assert written.meta["strategy"] == {"ddp": True, "fsdp2": False, "zero": False}
+
+
+@pytest.mark.parametrize("model", ["gpt", "cnn"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_reshard_after_forward_changed_equals_the_script_written_with_it(model, world_size):
+    last = world_size - 1
+    for written, change, same_as in (("fsdp2-no-reshard", True, "fsdp2"), ("fsdp2", False, "fsdp2-no-reshard")):
+        changed = capture(sm.builder(model, written), world_size, last,
+                          sharding=ShardingChange(reshard_after_forward=change))
+        expected = capture(sm.builder(model, same_as), world_size, last)
+        assert total_peak(changed) == total_peak(expected)
+        assert collectives(changed) == collectives(expected)
+        assert changed.meta["strategy"]["reshard_after_forward"] is change
+
+
+def test_bf16_mixed_precision_changed_equals_the_script_written_with_it():
+    # The CNN's "fsdp2-bf16-checkpointed" is bf16 FSDP2 without checkpointing (its blocks have none).
+    changed = capture(sm.builder("cnn", "fsdp2"), sharding=ShardingChange(param_dtype=torch.bfloat16))
+    expected = capture(sm.builder("cnn", "fsdp2-bf16-checkpointed"))
+    assert total_peak(changed) == total_peak(expected)
+    assert collectives(changed) == collectives(expected)
+    assert changed.meta["strategy"]["param_dtype"] == "bfloat16"
+    assert total_peak(changed) < total_peak(capture(sm.builder("cnn", "fsdp2")))
+
+
+def test_fit_suggests_fsdp2_for_a_ddp_script_with_its_communication():
+    def build(batch):
+        return sm.builder("gpt", "ddp", batch=batch)()
+
+    written = capture(sm.builder("gpt", "ddp"))
+    sharded = capture(sm.builder("gpt", "ddp"), sharding=ShardingChange(fsdp=True))
+    a = vt.replay(written, "1GiB", overheads=vt.NO_OVERHEADS)
+    b = vt.replay(sharded, "1GiB", overheads=vt.NO_OVERHEADS)
+    cap = (a.peak_reserved + b.peak_reserved) // 2
+    report = vt.fit(build, cap, batch_size=4, search=False, world_size=2, overheads=vt.NO_OVERHEADS)
+    assert not report.target.fits
+    fsdp = [s for s in report.suggestions if s.settings == {"fsdp": True}]
+    assert fsdp, report.table()
+    assert fsdp[0].prediction.peak_reserved == vt.replay(sharded, cap, overheads=vt.NO_OVERHEADS).peak_reserved
+
+    def sent(trace):
+        return sum(row["sent"] for row in trace.meta["distributed"]["steps"][-1].values())
+
+    assert sent(sharded) > sent(written) > 0
+    diff = sent(sharded) - sent(written)
+    assert f"sends {vt.format_size(sent(sharded))} per step" in fsdp[0].cost
+    assert f"+{vt.format_size(diff)} against the script as written" in fsdp[0].cost
+    assert "FSDP2 instead of DDP" in report.table()
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "zero", "ddp"])
+def test_smallest_world_size_is_what_an_exhaustive_search_finds(strategy):
+    def build(batch):
+        return sm.builder("gpt", strategy, batch=batch)()
+
+    limit = 16
+    sizes = world_sizes(limit)
+    assert sizes == [1, 2, 4, 8, 16]
+    peaks = {n: predict_ranks(build, 4, world_size=n, capacity="1GiB", overheads=vt.NO_OVERHEADS,
+                              ranks=[0, n - 1]).predictions for n in sizes}
+    worst = {n: max(p.peak_reserved for p in preds.values()) for n, preds in peaks.items()}
+    for cap in sorted(set(worst.values())) + [min(worst.values()) - 1]:
+        expected = min([n for n in sizes if worst[n] <= cap] or [0])
+        for start in (2, 16):
+            known = predict_ranks(build, 4, world_size=start, capacity=cap, overheads=vt.NO_OVERHEADS)
+            answer = smallest_world_size(build, 4, capacity=cap, known=known, limit=limit, overheads=vt.NO_OVERHEADS)
+            if strategy == "ddp":  # replicated: every world size holds the same
+                assert len(set(worst.values())) == 1
+                assert answer.replicated and answer.world_size == (1 if worst[start] <= cap else 0)
+                assert "replicates" in answer.line()
+            else:
+                assert answer.world_size == expected, (cap, start, answer.line(), worst)
+                if expected:
+                    assert f"needs at least {expected} x" in answer.line()
+
+
+def test_the_optimizers_foreach_ops_on_shards_change_nothing(monkeypatch):
+    """The optimizer's foreach ops run on FSDP2's local shards (dtensor_local) hold exactly what
+    DTensor's own dispatch of them holds, event for event; and the shortcut is taken."""
+    import numpy as np
+
+    from vramkit.trace import meta_values
+    from vramkit.trace.dtensor_local import NOT_HANDLED, foreach_on_shards
+
+    taken = []
+
+    def counting(func, args, kwargs):
+        out = foreach_on_shards(func, args, kwargs)
+        taken.append(out is not NOT_HANDLED)
+        return out
+
+    monkeypatch.setattr(meta_values, "foreach_on_shards", counting)
+    fast = capture(sm.builder("gpt", "fsdp2-no-reshard"), 4, 3, cuda=True)  # CUDA's choice: AdamW's foreach
+    assert sum(taken) >= 10  # AdamW's step: lerp, mul, addcmul, sqrt, div, add, addcdiv... each step
+    monkeypatch.setattr(meta_values, "foreach_on_shards", lambda func, args, kwargs: NOT_HANDLED)
+    slow = capture(sm.builder("gpt", "fsdp2-no-reshard"), 4, 3, cuda=True)
+    for column in ("kind", "id"):
+        assert np.array_equal(getattr(fast, column), getattr(slow, column))
+    assert np.array_equal(fast.alloc_size, slow.alloc_size)
+    assert np.array_equal(fast.alloc_category, slow.alloc_category)
+
+
+def test_long_captures_say_how_far_they_are(monkeypatch):
+    from vramkit.trace import capture_step
+
+    monkeypatch.setattr(capture_step, "PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(capture_step, "OPS_BETWEEN_CLOCK_READS", 1)
+    lines: list[str] = []
+    capture(sm.builder("gpt", "fsdp2"), progress=lines.append)
+    assert lines and all("capture running for" in line and " ops" in line for line in lines)
+    assert any(", in the builder, or step 1" in line for line in lines)
+    assert any(", in step 2 of 2, at blocks." in line for line in lines)
+
+
+def test_bad_sharding_changes():
+    with pytest.raises(ValueError, match="param_dtype must be torch.bfloat16"):
+        ShardingChange(param_dtype=torch.float32)
+    with pytest.raises(TypeError, match="reshard_after_forward must be True, False or None"):
+        ShardingChange(reshard_after_forward=2)
+    with pytest.raises(TypeError, match="without world_size"):
+        vt.capture(sm.builder("gpt", "ddp"), device="meta", sharding=ShardingChange(fsdp=True))
+    with pytest.raises(TypeError, match="must be a vramkit.trace.ShardingChange"):
+        capture(sm.builder("gpt", "ddp"), sharding={"fsdp": True})
+
+
+def test_tensors_in_finds_what_tree_flatten_finds_and_holds_nothing():
+    """The capture's fast flatten: the same tensors in the same order as torch's tree_flatten,
+    and no reference left behind once it returns (a reference cycle would keep tensors alive
+    until the cycle collector runs, and the capture would record them freed late)."""
+    import gc
+    import weakref
+
+    from torch.utils._pytree import tree_flatten
+    from vramkit.trace.meta_values import tensors_in
+
+    a, b, c, d = (torch.ones(i + 1) for i in range(4))
+    nested = ((a, [b, {"x": c, "y": (None, 3, d)}], torch.float32), {"out": [a]})
+    assert [id(t) for t in tensors_in(nested)] == [id(t) for t in tree_flatten(nested)[0]
+                                                   if isinstance(t, torch.Tensor)]
+    gc.disable()
+    try:
+        t = torch.ones(3)
+        ref = weakref.ref(t)
+        tensors_in(([t], {"k": t}))
+        del t
+        assert ref() is None
+    finally:
+        gc.enable()
