@@ -216,3 +216,66 @@ def test_tensors_in_finds_what_tree_flatten_finds_and_holds_nothing():
         assert ref() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("strategy, change, message", [
+    ("fsdp2", ShardingChange(fsdp=True), "the step never makes a DistributedDataParallel"),
+    ("ddp", ShardingChange(reshard_after_forward=True), "the step makes none \\(it does not use FSDP2\\)"),
+    ("zero", ShardingChange(param_dtype=torch.bfloat16), "changes the step's fully_shard calls"),
+])
+def test_a_sharding_change_the_script_does_not_use_is_refused(strategy, change, message):
+    from vramkit.trace.fake_dist import ShardedCaptureError
+
+    with pytest.raises(ShardedCaptureError, match=message):
+        capture(sm.builder("gpt", strategy), sharding=change)
+    assert not dist.is_initialized()  # the capture's process group is gone
+
+
+def test_a_step_waiting_for_another_ranks_key_is_cut_off_with_the_reason(monkeypatch):
+    """A one-rank capture runs no other rank: a wait on the store for a key another rank sets
+    would hang; it fails after STORE_TIMEOUT with a message that says why."""
+    import datetime
+    import time
+
+    from vramkit.trace import fake_dist
+
+    monkeypatch.setattr(fake_dist, "STORE_TIMEOUT", datetime.timedelta(seconds=1))
+
+    def build():
+        step = sm.builder("gpt", "ddp")()
+
+        def waiting_step():
+            step()
+            if dist.get_rank() != 0:  # wait until rank 0 says the checkpoint is written
+                dist.distributed_c10d._get_default_store().wait(["checkpoint-written"])
+
+        return waiting_step
+
+    start = time.monotonic()
+    with pytest.raises(vt.CaptureError, match="It waited 1 s on torch.distributed's key-value store") as info:
+        capture(build, world_size=2, rank=1)
+    assert time.monotonic() - start < 30
+    assert "vramkit_capture" in str(info.value) and isinstance(info.value.__cause__, dist.DistStoreError)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("model", ["gpt", "cnn"])
+def test_ddp_buckets_are_their_own_category(model):
+    """DDP's gradient buckets (gradient_as_bucket_view=False, DDP's default) are "ddp_bucket":
+    at the last step's end the live buckets hold every gradient once, so their bytes equal the
+    parameters' (all fp32, as the closed form writes them from the model's shapes); the buckets
+    all-reduced each step (logged by the process group) are the same bytes. No other strategy
+    has any."""
+    import numpy as np
+
+    t = capture(sm.builder(model, "ddp"))
+    params = sum(p.numel() * 4 for p in (sm.GPT() if model == "gpt" else sm.CNN()).parameters())
+    live = np.ones(t.num_allocations, bool)
+    live[t.id[t.kind == vt.FREE]] = False
+    bucket = t.alloc_category == vt.CATEGORIES.index("ddp_bucket")
+    assert int(t.alloc_size[live & bucket].sum()) == params
+    assert t.meta["distributed"]["steps"][-1]["all_reduce"]["bytes"] == params
+    pred = vt.replay(t, "1GiB", overheads=vt.NO_OVERHEADS)
+    assert pred.by_category.get("ddp_bucket", 0) >= params  # (rounded to 512-byte blocks)
+    for other in ("fsdp2", "zero"):
+        assert not (capture(sm.builder(model, other)).alloc_category == vt.CATEGORIES.index("ddp_bucket")).any()

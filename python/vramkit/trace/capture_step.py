@@ -22,6 +22,7 @@ input.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 import weakref
@@ -36,7 +37,8 @@ from torch.utils._pytree import tree_flatten
 from .autocast_meta import emulate_autocast
 from .capture_hooks import deferred_init, fsdp_buffers, storage_resizes
 from .cuda_choices import CudaChoices, install as install_choices
-from .fake_dist import COLLECTIVE_NAMESPACES, check_rank, collectives_by_step, note_collective, one_rank
+from .fake_dist import COLLECTIVE_NAMESPACES, check_rank, collectives_by_step, note_collective, one_rank, \
+    store_wait_hint
 from .meta_values import DataDependentError, MetaValues, tensors_in
 from .module_tags import LABEL, install_hooks, restore_blocks, tag_all, tag_args
 from .file_format import ALLOC, CATEGORIES, FREE, PHASE, PHASES, STEP, Trace
@@ -451,6 +453,8 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
                 (deferred_init(rec) if dev.type == "meta" else contextlib.nullcontext()), \
                 (fsdp_buffers(rec) if world_size is not None else contextlib.nullcontext()):
             rec.collectives = group.log if group is not None else None
+            if group is not None:  # DDP's buckets: the only tensors all-reduced on the group object
+                group.on_allreduce = functools.partial(_buckets, rec)
             tag_args(rec, (args, kwargs))
             mode = _CaptureMode(rec)
             mode.progress = progress
@@ -516,6 +520,11 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
         _ACTIVE.release()
 
 
+def _buckets(rec: _Recorder, tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        rec.see(t, "ddp_bucket")
+
+
 def _call(fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
@@ -523,7 +532,8 @@ def _call(fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         raise
     except Exception as exc:
         name = getattr(fn, "__qualname__", type(fn).__name__)
-        raise CaptureError(f"the step {name}() raised {type(exc).__name__}: {exc}; nothing was captured") from exc
+        raise CaptureError(f"the step {name}() raised {type(exc).__name__}: {exc}; nothing was captured"
+                           f"{store_wait_hint(exc)}") from exc
 
 
 def _begin_step(rec: _Recorder) -> None:

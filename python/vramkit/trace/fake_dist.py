@@ -57,10 +57,11 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import FakeProcessGroup, HashStore, ProcessGroup
 from torch.futures import Future
 
-__all__ = ["BACKEND", "COLLECTIVE_NAMESPACES", "CaptureGroup", "ShardedCaptureError", "check_rank", "collective_bytes",
-           "collectives_by_step", "note_collective", "one_rank"]
+__all__ = ["BACKEND", "COLLECTIVE_NAMESPACES", "STORE_TIMEOUT", "CaptureGroup", "ShardedCaptureError", "check_rank",
+           "collective_bytes", "collectives_by_step", "note_collective", "one_rank", "store_wait_hint"]
 
 BACKEND = "vramkit_capture"
+STORE_TIMEOUT = datetime.timedelta(seconds=30)  # a wait on the store for another rank's key: fails, not hangs
 _registered = threading.Lock()
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -121,6 +122,9 @@ class CaptureGroup(dist.ProcessGroup):
     def __init__(self, rank: int, world_size: int) -> None:
         super().__init__(rank, world_size)  # type: ignore[call-arg]  # pybind's (rank, size) overload
         self.log: list[tuple[str, int, int]] = []
+        # Called with the tensors of each all-reduce made on the group object itself: DDP's
+        # reducer does that, with its gradient buckets (dist.all_reduce goes to the backend).
+        self.on_allreduce: Any = None
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's names, called from C++)
         return BACKEND
@@ -147,6 +151,8 @@ class CaptureGroup(dist.ProcessGroup):
     # all-reduce family: in place
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Done:
         self._note("all_reduce", _nbytes(tensors))
+        if self.on_allreduce is not None:
+            self.on_allreduce(tensors)
         return _Done(tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> _Done:
@@ -230,6 +236,18 @@ class CaptureGroup(dist.ProcessGroup):
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> _Done:
         return self.send(tensors, src, tag)
+
+
+def store_wait_hint(exc: BaseException) -> str:
+    """What to add to a capture's error when the step waited in vain on the process group's
+    key-value store (a barrier of its own, a key another rank sets): the reason, and the fix."""
+    if not (isinstance(exc, dist.DistStoreError) or "Wait timeout" in str(exc)) or not dist.is_initialized():
+        return ""
+    seconds = STORE_TIMEOUT.total_seconds()
+    return (f". It waited {seconds:.0f} s on torch.distributed's key-value store for something only another rank "
+            "would write (a key set by rank 0, a hand-made barrier): a one-rank capture runs no other rank, so "
+            "the wait is cut off there. Skip it under a capture (torch.distributed.get_backend() == "
+            f"{BACKEND!r}), or use dist.barrier() and the collectives, which a capture completes at once")
 
 
 def check_rank(world_size: Any, rank: Any) -> None:
@@ -395,7 +413,11 @@ def one_rank(world_size: int, rank: int, device: torch.device) -> Iterator[Captu
     saved_env = {k: os.environ.get(k) for k in _ENV}
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
-    dist.init_process_group(BACKEND, rank=rank, world_size=world_size, store=HashStore())
+    store = HashStore()
+    # A key only another rank would set is never set here: a wait for it fails after
+    # STORE_TIMEOUT (store_wait_hint says why) instead of hanging the capture.
+    store.set_timeout(STORE_TIMEOUT)
+    dist.init_process_group(BACKEND, rank=rank, world_size=world_size, store=store, timeout=STORE_TIMEOUT)
     group = cast(CaptureGroup, dist.distributed_c10d._get_default_group())
     # Collectives that torch dispatches as ops (dist.all_gather_into_tensor, FSDP2's, DTensor's)
     # reach a group's backend for the tensors' device, not the Python methods above: torch's

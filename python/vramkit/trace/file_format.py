@@ -52,9 +52,11 @@ PHASES = ("setup", "forward", "backward", "optimizer", "other")
 # prediction leaves it out. Appended last, so files written before it read the same.
 # Sharded training (appended likewise): "unsharded_parameter", FSDP's gathered parameters (the
 # all-gather outputs it frees and re-creates with UntypedStorage.resize_); "communication", the
-# buffers FSDP allocates for its collectives (all-gather copy-in and outputs, reduce-scatter).
+# buffers FSDP allocates for its collectives (all-gather copy-in and outputs, reduce-scatter);
+# "ddp_bucket", DDP's flat gradient buckets, a second copy of the gradients (unless
+# gradient_as_bucket_view=True makes the gradients views of them: then they are "gradient").
 CATEGORIES = ("parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "buffer",
-              "workspace", "host", "unknown", "deferred", "unsharded_parameter", "communication")
+              "workspace", "host", "unknown", "deferred", "unsharded_parameter", "communication", "ddp_bucket")
 
 _EVENT_COLUMNS = {"kind": np.uint8, "id": np.int64, "size": np.uint64, "stream": np.uint64}
 _ALLOC_COLUMNS = {"alloc_dtype": np.int16, "alloc_category": np.uint8, "alloc_module": np.int32,

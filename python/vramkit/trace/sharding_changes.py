@@ -78,14 +78,30 @@ def _mp_policy(change: ShardingChange, given: Any) -> Any:
 @contextlib.contextmanager
 def sharding_changed(change: ShardingChange | None) -> Iterator[None]:
     """FSDP2 and DDP patched for `change` (nothing for None) inside the block."""
+    used: dict[str, int] = {"ddp": 0, "fully_shard": 0}
     with contextlib.ExitStack() as stack:
         if change:
-            apply_sharding_change(change, stack)
+            apply_sharding_change(change, stack, used)
         yield
+    if change and change.fsdp and not used["ddp"]:
+        raise _unused("ShardingChange(fsdp=True) shards DistributedDataParallel's model with FSDP2, but the step never "
+                      "makes a DistributedDataParallel")
+    if change and not change.fsdp and not used["fully_shard"]:
+        raise _unused(f"ShardingChange({change.describe()}) changes the step's fully_shard calls, but the step makes "
+                      "none (it does not use FSDP2)")
 
 
-def apply_sharding_change(change: ShardingChange, stack: contextlib.ExitStack) -> None:
-    """Patch FSDP2 and DDP for `change` until `stack` closes."""
+def _unused(message: str) -> Exception:
+    from .fake_dist import ShardedCaptureError
+
+    return ShardedCaptureError(message + "; nothing was captured")
+
+
+def apply_sharding_change(change: ShardingChange, stack: contextlib.ExitStack,
+                          used: dict[str, int] | None = None) -> None:
+    """Patch FSDP2 and DDP for `change` until `stack` closes; `used` counts the step's
+    ``fully_shard`` ("fully_shard") and ``DistributedDataParallel`` ("ddp") calls changed."""
+    used = used if used is not None else {}
     from torch.distributed.fsdp._fully_shard import _fsdp_state, _fully_shard
 
     from .fake_dist import _patched
@@ -97,6 +113,7 @@ def apply_sharding_change(change: ShardingChange, stack: contextlib.ExitStack) -
     def init_param_group(state: Any, params: Any, modules: Any, mesh_info: Any, post_forward_mesh_info: Any,
                          device: Any, shard_placement_fn: Any, mp_policy: Any, offload_policy: Any,
                          reshard_after_forward: Any = True) -> None:
+        used["fully_shard"] = used.get("fully_shard", 0) + 1
         if change.reshard_after_forward is not None:
             reshard_after_forward = change.reshard_after_forward
             post_forward_mesh_info = post_forward_mesh_info_of(reshard_after_forward, mesh_info)
@@ -110,10 +127,10 @@ def apply_sharding_change(change: ShardingChange, stack: contextlib.ExitStack) -
     stack.enter_context(_patched(_fully_shard, "_init_param_group", init_param_group))
     stack.enter_context(_patched(_fsdp_state.FSDPState, "init", state_init))
     if change.fsdp:
-        _ddp_as_fsdp(stack)
+        _ddp_as_fsdp(stack, used)
 
 
-def _ddp_as_fsdp(stack: contextlib.ExitStack) -> None:
+def _ddp_as_fsdp(stack: contextlib.ExitStack, used: dict[str, int]) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
@@ -121,6 +138,7 @@ def _ddp_as_fsdp(stack: contextlib.ExitStack) -> None:
     from .module_tags import repeated_blocks
 
     def init(self: Any, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        used["ddp"] = used.get("ddp", 0) + 1
         nn.Module.__init__(self)
         found = repeated_blocks(module)
         for block in found[1] if found is not None else ():
