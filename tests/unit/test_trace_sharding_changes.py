@@ -279,3 +279,33 @@ def test_ddp_buckets_are_their_own_category(model):
     assert pred.by_category.get("ddp_bucket", 0) >= params  # (rounded to 512-byte blocks)
     for other in ("fsdp2", "zero"):
         assert not (capture(sm.builder(model, other)).alloc_category == vt.CATEGORIES.index("ddp_bucket")).any()
+
+
+def test_zero_imbalance_names_the_parameter_whose_state_a_rank_holds():
+    """ZeroRedundancyOptimizer gives whole parameters to ranks: with a large embedding, the rank
+    it lands on peaks higher, and the report says which module's state it holds and how much
+    (AdamW: two fp32 moments of the embedding, written here from its shape)."""
+    from torch import nn
+
+    vocab, dim = 50_000, 64
+
+    def build(batch):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        model = nn.Sequential(nn.Embedding(vocab, dim), nn.Linear(dim, dim), nn.Linear(dim, 8))
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+        x = torch.randint(0, vocab, (batch, 16))
+
+        def step():
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step
+
+    report = predict_ranks(build, 2, world_size=2, capacity="1GiB", overheads=vt.NO_OVERHEADS)
+    assert len(report.predictions) == 2  # the ranks' optimizer states differ: both captured
+    words = report.imbalance()
+    state = 2 * vocab * dim * 4
+    assert f"holds the state of 0, {vt.format_size(state)}" in words, words
+    assert f"rank {report.worst_rank} peaks" in words and "more optimizer state" in words

@@ -67,8 +67,14 @@ class RankReport:
                         for c in set(a.by_category) | set(b.by_category)), reverse=True)
         amount, category = diffs[0]
         why = ""
-        if category == "optimizer_state":
-            why = " (ZeroRedundancyOptimizer gives whole parameters to ranks, or the last ranks' shards are shorter)"
+        if category == "optimizer_state" and self.traces:
+            module, size = _largest_state(self.traces[hi])
+            strategy = self.traces[hi].meta.get("strategy", {})
+            if strategy.get("zero") and module:
+                why = (f" (ZeroRedundancyOptimizer gives whole parameters to ranks: rank {hi} holds the state of "
+                       f"{module}, {format_size(size)})")
+            else:
+                why = " (the last ranks' shards are shorter)"
         return (f"rank {hi} peaks {format_size(a.peak_reserved - b.peak_reserved)} above rank {lo}: it holds "
                 f"{format_size(amount)} more {category.replace('_', ' ')} at its peak{why}")
 
@@ -119,6 +125,20 @@ def _model_state(trace: Trace) -> dict[str, int]:
     live[trace.id[trace.kind == FREE]] = False
     return {c: int(trace.alloc_size[live & (trace.alloc_category == CATEGORIES.index(c))].sum())
             for c in ("parameter", "gradient", "optimizer_state")}
+
+
+def _largest_state(trace: Trace) -> tuple[str, int]:
+    """The module whose optimizer state the trace holds most of at its end, and those bytes."""
+    import numpy as np
+
+    live = np.ones(trace.num_allocations, bool)
+    live[trace.id[trace.kind == FREE]] = False
+    mine = live & (trace.alloc_category == CATEGORIES.index("optimizer_state")) & (trace.alloc_module >= 0)
+    if not mine.any():
+        return "", 0
+    per_module = np.bincount(trace.alloc_module[mine], weights=trace.alloc_size[mine])
+    top = int(per_module.argmax())
+    return trace.modules[top], int(per_module[top])
 
 
 def _spread(world_size: int, count: int) -> list[int]:
