@@ -309,3 +309,38 @@ def test_zero_imbalance_names_the_parameter_whose_state_a_rank_holds():
     state = 2 * vocab * dim * 4
     assert f"holds the state of 0, {vt.format_size(state)}" in words, words
     assert f"rank {report.worst_rank} peaks" in words and "more optimizer state" in words
+
+
+def test_a_script_that_needs_another_ranks_objects_is_named_at_its_line():
+    """Shapes decided by an object rank 0 broadcasts: rank 0 (the source) captures; any other
+    rank cannot receive it and gets an error naming the script's line, not the unpickling error
+    of an empty buffer. all_gather_object needs every rank's object: refused on every rank."""
+    import inspect
+
+    from vramkit.trace.fake_dist import ShardedCaptureError
+
+    def build(batch, gather=False):
+        objs = [{"hidden": 48}] if dist.get_rank() == 0 else [None]
+        if gather:
+            seen = [None] * dist.get_world_size()
+            dist.all_gather_object(seen, objs[0])  # the line named (gather)
+        dist.broadcast_object_list(objs, src=0)  # the line named (broadcast)
+        layer = torch.nn.Linear(objs[0]["hidden"], 8)
+        x = torch.randn(batch, objs[0]["hidden"])
+
+        def step():
+            layer(x).sum().backward()
+
+        return step
+
+    lines = {n: inspect.getsourcelines(build)[1] + i for i, text in enumerate(inspect.getsource(build).splitlines())
+             for n in ("gather", "broadcast") if f"# the line named ({n})" in text}
+    assert capture(lambda: build(2), 2, 0).num_allocations > 0  # the source holds what it sends
+    with pytest.raises(vt.CaptureError, match=f"{__file__}:{lines['broadcast']}: broadcast_object_list from rank 0; "
+                                              "a one-rank capture of rank 1") as info:
+        capture(lambda: build(2), 2, 1)
+    assert isinstance(info.value.__cause__, ShardedCaptureError)
+    for rank in (0, 1):
+        with pytest.raises(vt.CaptureError, match=f":{lines['gather']}: all_gather_object gathers every rank"):
+            capture(lambda: build(2, gather=True), 2, rank)
+    assert not dist.is_initialized()

@@ -360,6 +360,48 @@ def _caller_line() -> str:
     return "(unknown line)"
 
 
+def _object_collectives(rank: int) -> dict[str, Any]:
+    """torch.distributed's collectives of Python objects, for a one-rank capture: what a rank
+    sends it keeps (a source's broadcast, a non-destination's gather); what it would receive from
+    another rank it cannot have, so that is a ShardedCaptureError naming the script's line, not
+    the unpickling error ("Ran out of input") of an empty buffer."""
+
+    def refuse(what: str) -> ShardedCaptureError:
+        return ShardedCaptureError(
+            f"{_caller_line()}: {what}; a one-rank capture of rank {rank} runs no other rank to receive Python "
+            "objects from. Give each rank the value itself while capturing (from the config, or "
+            f"`if dist.get_backend() == {BACKEND!r}`), or capture the rank that sends it")
+
+    def source(src: Any, group_src: Any) -> int:
+        return int(group_src if group_src is not None else src if src is not None else 0)
+
+    def broadcast_object_list(object_list: Any, src: Any = None, group: Any = None, device: Any = None,
+                              group_src: Any = None) -> None:
+        if source(src, group_src) != rank:
+            raise refuse(f"broadcast_object_list from rank {source(src, group_src)}")
+
+    def all_gather_object(object_list: Any, obj: Any, group: Any = None) -> None:
+        raise refuse("all_gather_object gathers every rank's object")
+
+    def gather_object(obj: Any, object_gather_list: Any = None, dst: Any = None, group: Any = None,
+                      group_dst: Any = None) -> None:
+        if source(dst, group_dst) == rank:
+            raise refuse("gather_object to this rank")
+
+    def scatter_object_list(scatter_object_output_list: Any, scatter_object_input_list: Any = None, src: Any = None,
+                            group: Any = None, group_src: Any = None) -> None:
+        if source(src, group_src) != rank:
+            raise refuse(f"scatter_object_list from rank {source(src, group_src)}")
+        scatter_object_output_list[0] = scatter_object_input_list[rank]
+
+    def send_object_list(*args: Any, **kwargs: Any) -> None:
+        raise refuse("send_object_list/recv_object_list (point to point)")
+
+    return {"broadcast_object_list": broadcast_object_list, "all_gather_object": all_gather_object,
+            "gather_object": gather_object, "scatter_object_list": scatter_object_list,
+            "send_object_list": send_object_list, "recv_object_list": send_object_list}
+
+
 @contextlib.contextmanager
 def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
     if not hasattr(obj, name):
@@ -441,6 +483,8 @@ def one_rank(world_size: int, rank: int, device: torch.device) -> Iterator[Captu
             for mod in (dist, dist.distributed_c10d):
                 stack.enter_context(_patched(mod, "init_process_group", init_process_group))
                 stack.enter_context(_patched(mod, "destroy_process_group", destroy_process_group))
+                for name, fn in _object_collectives(rank).items():
+                    stack.enter_context(_patched(mod, name, fn))
             if device.type == "meta":
                 _fsdp_on(device, stack)
             yield group
