@@ -86,11 +86,24 @@ def test_each_rank_against_a_real_gloo_run(real_runs):
             assert abs(p - real["storages"]) <= 0.01 * real["storages"], rows[-1]
             if strategy in ("ddp", "zero"):  # gloo copies nothing here: the profiler agrees too
                 assert real["gloo_internal_bytes"] == 0, rows[-1]
-                assert abs(p - real["profiler"]) <= 0.01 * real["profiler"], rows[-1]
+                # ... except that DDP rebuilds its buckets in the second step's forward, and the
+                # old ones die only when gloo's work on them is dropped, at the worker thread's
+                # pace: in slow runs (ASan) all three profiled runs held both for a moment, one
+                # bucket set (the gradients' bytes) above the prediction: either that or nothing.
+                over = real["profiler"] - p
+                assert abs(over) <= 0.01 * real["profiler"] or (
+                    strategy == "ddp" and abs(over - _bucket_set(t)) <= 0.01 * real["profiler"]), rows[-1]
     # ZeroRedundancyOptimizer gives whole parameters to ranks: their optimizer states differ,
     # and the prediction follows each rank.
     zero = [r for r in rows if r[0] == "gpt" and r[1] == "zero"]
     assert len({r[3] for r in zero}) > 1 and len({r[4] for r in zero}) > 1
+
+
+def _bucket_set(t: vt.Trace) -> int:
+    """Bytes of DDP's gradient buckets live at the end of the trace: one set, every gradient once."""
+    live = np.ones(t.num_allocations, bool)
+    live[t.id[t.kind == vt.FREE]] = False
+    return int(t.alloc_size[live & (t.alloc_category == vt.CATEGORIES.index("ddp_bucket"))].sum())
 
 
 def _sharded_bytes(shapes: list[torch.Size], n: int, rank: int, padded: bool, itemsize: int = 4) -> int:

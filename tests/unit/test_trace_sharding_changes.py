@@ -344,3 +344,66 @@ def test_a_script_that_needs_another_ranks_objects_is_named_at_its_line():
         with pytest.raises(vt.CaptureError, match=f":{lines['gather']}: all_gather_object gathers every rank"):
             capture(lambda: build(2, gather=True), 2, rank)
     assert not dist.is_initialized()
+
+
+def offloading_gpt(batch: int, offload: bool = True):
+    """FSDP2's CPU-offload recipe: the model on meta, fully_shard with CPUOffloadPolicy, then
+    to_empty(device="cpu") (FSDP2 wants offloaded parameters on the CPU)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    with torch.device("meta"):
+        model = sm.GPT()
+    kw = {"offload_policy": CPUOffloadPolicy()} if offload else {}
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    model.to_empty(device="cpu" if offload else torch.get_default_device())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return sm.training_step("gpt", model, opt, batch)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_cpu_offload_moves_exactly_the_model_state_to_the_host(world_size):
+    """With CPUOffloadPolicy nothing of the model state is on the GPU: no parameter, gradient or
+    optimizer-state storage in the trace; what the rank holds on the host at the end is exactly
+    what the same step without offload holds on the GPU as parameters and optimizer state (the
+    gradients are freed by zero_grad), plus the host-side step counters both have."""
+    import numpy as np
+
+    from vramkit.trace.sharding_changes import host_bytes
+
+    rank = world_size - 1
+    off = capture(lambda: offloading_gpt(4), world_size, rank)
+    on = capture(lambda: offloading_gpt(4, offload=False), world_size, rank)
+    model_state = {vt.CATEGORIES.index(c) for c in ("parameter", "gradient", "optimizer_state")}
+    assert not np.isin(off.alloc_category, list(model_state)).any()
+    live = np.ones(on.num_allocations, bool)
+    live[on.id[on.kind == vt.FREE]] = False
+    on_state = sum(int(on.alloc_size[live & (on.alloc_category == vt.CATEGORIES.index(c))].sum())
+                   for c in ("parameter", "optimizer_state", "host"))
+    assert host_bytes(off) == on_state > 0
+    assert off.meta["strategy"]["cpu_offload"] and not on.meta["strategy"]["cpu_offload"]
+    assert total_peak(off) < total_peak(on)
+    # The change does what the script written with the policy does.
+    changed = capture(lambda: offloading_gpt(4, offload=False), world_size, rank,
+                      sharding=ShardingChange(cpu_offload=True))
+    assert total_peak(changed) == total_peak(off) and host_bytes(changed) == host_bytes(off)
+
+
+def test_fit_suggests_cpu_offload_with_the_host_memory_it_takes():
+    from vramkit.trace.sharding_changes import host_bytes
+
+    off = capture(lambda: offloading_gpt(4))
+    on = capture(lambda: offloading_gpt(4, offload=False))
+    a = vt.replay(on, "1GiB", overheads=vt.NO_OVERHEADS)
+    b = vt.replay(off, "1GiB", overheads=vt.NO_OVERHEADS)
+    assert b.peak_reserved < a.peak_reserved
+    cap = (a.peak_reserved + b.peak_reserved) // 2
+    report = vt.fit(lambda bs: offloading_gpt(bs, offload=False), cap, batch_size=4, search=False, world_size=2,
+                    overheads=vt.NO_OVERHEADS)
+    assert not report.target.fits
+    offload = [s for s in report.suggestions if s.settings == {"offload": True}]
+    assert offload, report.table()
+    assert offload[0].prediction.peak_reserved == vt.replay(off, cap, overheads=vt.NO_OVERHEADS).peak_reserved
+    assert f"{vt.format_size(host_bytes(off))} of host memory per rank" in offload[0].cost
+    assert "CPUOffloadPolicy()" in offload[0].cost

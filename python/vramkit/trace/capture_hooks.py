@@ -68,6 +68,10 @@ def deferred_init(rec: Any) -> Any:
                 for i, category in enumerate(rec.category):
                     if category in (_CAT["unknown"], _CAT["parameter"], _CAT["buffer"]):
                         rec.category[i] = _CAT["deferred"]
+        if rec.offloaded:
+            # FSDP2's CPUOffloadPolicy recipe, to_empty(device="cpu"): its shards stay on meta
+            # here, standing for host memory (cpu_offload), instead of being allocated for real.
+            args, kwargs = (), {**kwargs, "device": rec.device}
         return original(self, *args, **kwargs)
 
     nn.Module.to_empty = to_empty  # type: ignore[method-assign]

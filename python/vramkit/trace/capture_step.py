@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten
 
 from .autocast_meta import emulate_autocast
 from .capture_hooks import deferred_init, fsdp_buffers, storage_resizes
+from .cpu_offload import offload_on_meta, tag_host
 from .cuda_choices import CudaChoices, install as install_choices
 from .fake_dist import COLLECTIVE_NAMESPACES, check_rank, collectives_by_step, note_collective, one_rank, \
     store_wait_hint
@@ -94,6 +95,8 @@ class _Recorder:
         self.names: dict[int, str] = {}  # id(module) -> qualified name
         self.roots: list[weakref.ref[nn.Module]] = []
         self.optimizers: list[weakref.ref[Any]] = []
+        self.offloaded: weakref.WeakSet[Any] = weakref.WeakSet()  # FSDP2 params with CPUOffloadPolicy (cpu_offload)
+        self.offload_everything = False  # every optimizer parameter offloaded: its step runs on the CPU
         self.in_optimizer = 0
         self.lock = threading.RLock()
         self.checkpoint_blocks: bool | int = False  # True: every repeated block; k: the first k
@@ -341,6 +344,8 @@ def _classify(rec: _Recorder) -> np.ndarray:
     cat[activation] = _CAT["activation"]
     cat[unknown & ~activation & (phase != _SETUP)] = _CAT["temporary"]
     cat[unknown & (phase == _SETUP)] = _CAT["input"]
+    if rec.offload_everything:  # FSDP2's CPUOffloadPolicy: the optimizer step runs on the CPU
+        cat[unknown & (phase == _OPTIMIZER)] = _CAT["host"]
     return cat
 
 
@@ -451,6 +456,7 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
         with sharded as group, sharding_changed(sharding), torch.device(dev), emulation, \
                 install_choices(cuda, dev.type), storage_resizes(rec), \
                 (deferred_init(rec) if dev.type == "meta" else contextlib.nullcontext()), \
+                (offload_on_meta(rec) if dev.type == "meta" and world_size is not None else contextlib.nullcontext()), \
                 (fsdp_buffers(rec) if world_size is not None else contextlib.nullcontext()):
             rec.collectives = group.log if group is not None else None
             if group is not None:  # DDP's buckets: the only tensors all-reduced on the group object
@@ -548,6 +554,7 @@ def _begin_step(rec: _Recorder) -> None:
 def _end_step(rec: _Recorder) -> None:
     rec.module_stack.clear()
     tag_all(rec)
+    tag_host(rec)  # (after tag_all: FSDP2's offloaded shards, gradients and states are host memory)
 
 
 def _refile_as_setup(rec: _Recorder) -> None:

@@ -24,7 +24,7 @@ from .file_format import Trace
 from .fake_dist import check_rank
 from .gpu_profiles import NCCL_DEFAULT, gpu_profile
 from .replay_sim import ON_DEVICE, GpuOverheads, Prediction, _conf_text, format_size, parse_size, peak_live_bytes, replay
-from .sharding_changes import change_for, communication_sent, sharding_cost, sharding_techniques
+from .sharding_changes import change_for, communication_sent, host_bytes, sharding_cost, sharding_techniques
 
 __all__ = ["CAPTURED", "DERIVED", "FitReport", "Probe", "Suggestion", "fit"]
 
@@ -340,6 +340,7 @@ def fit(build: Callable[..., Any], capacity: Any = None, *, gpu: Any = None, bat
             pred.checkpointed_blocks = trace.meta.get("checkpointed_blocks", "")
             pred.checkpointed_count = int(trace.meta.get("checkpointed_count", 0))
             pred.communication_sent = communication_sent(trace)
+            pred.host_bytes = host_bytes(trace)
             live = peak_live_bytes(trace, rounded=True, categories=ON_DEVICE)
             p = cache[key] = Probe(bs, pred, time.perf_counter() - t0, source, live)
             verdict = f"fits, peak reserved {format_size(p.prediction.peak_reserved)}" if p.fits else "OOM"
@@ -512,11 +513,13 @@ def _try(probe: Callable[..., Probe], target: int, alloc_conf: Any, combo: tuple
             count, p = _fewest_blocks(lambda c: probe(micro, alloc_conf, c or False, amp, **more), total, p)
         settings: dict[str, Any]
         parts, costs, settings = [], [], {}
-        for technique in (t for t in combo if change is not None and t in ("fsdp", "reshard", "mp")):
+        for technique in (t for t in combo if change is not None and t in ("fsdp", "reshard", "mp", "offload")):
             parts.append({"fsdp": "FSDP2 instead of DDP", "reshard": "reshard_after_forward=True",
-                          "mp": "FSDP2's bf16 MixedPrecisionPolicy"}[technique])
+                          "mp": "FSDP2's bf16 MixedPrecisionPolicy", "offload": "FSDP2's CPUOffloadPolicy"}[technique])
             costs.append(sharding_cost(technique, blocks))
             settings[technique] = True
+            if technique == "offload" and p.prediction.host_bytes:
+                costs.append(f"{format_size(p.prediction.host_bytes)} of host memory per rank")
         if change is not None and p.prediction.communication_sent is not None and base_sent is not None:
             sent = p.prediction.communication_sent
             costs.append(f"this rank sends {format_size(sent)} per step in collectives ({_signed(sent - base_sent)} "

@@ -24,6 +24,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten
 
+from .cpu_offload import tag_host
 from .file_format import PHASES
 
 _FORWARD, _OTHER = PHASES.index("forward"), PHASES.index("other")
@@ -91,6 +92,7 @@ def install_hooks(rec: Any) -> list[torch.utils.hooks.RemovableHandle]:
             return
         rec.in_optimizer = max(0, rec.in_optimizer - 1)
         _tag_optimizer_state(rec, optimizer)
+        tag_host(rec)  # FSDP2's offloaded gradients and states, while the gradients still exist
         rec.phase = _OTHER
 
     return [register_module_forward_pre_hook(pre), register_module_forward_hook(post, always_call=True),

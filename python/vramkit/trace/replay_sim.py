@@ -118,6 +118,7 @@ class Prediction:
     checkpointed_blocks: str = ""  # set by fit for a capture with checkpoint_blocks
     checkpointed_count: int = 0
     communication_sent: int | None = None  # set by fit for a sharded trace: bytes this rank sends per step
+    host_bytes: int | None = None  # set by fit: host memory the trace holds at its end (FSDP2's CPU offload)
 
     @property
     def fragmentation(self) -> float:

@@ -14,6 +14,8 @@ script: the capture runs the script's own DDP or ``fully_shard`` calls with one 
 - ``param_dtype``: every ``fully_shard`` call's ``MixedPrecisionPolicy`` becomes
   ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: gathered
   parameters and the forward/backward in bf16, fp32 master weights, gradients reduced in fp32.
+- ``cpu_offload``: every ``fully_shard`` call gets ``offload_policy=CPUOffloadPolicy()``
+  (captured as ``cpu_offload`` describes: the shards stand on meta for host memory).
 
 FSDP2's own code does everything else. The patched internals are looked up by name and checked
 to exist (``fake_dist._patched``), so a torch that renames them fails with a clear error.
@@ -30,7 +32,7 @@ import torch
 from torch import nn
 
 __all__ = ["SHARDING_TECHNIQUES", "ShardingChange", "apply_sharding_change", "change_for", "communication_sent",
-           "sharding_changed", "sharding_cost", "sharding_techniques", "strategy_of"]
+           "host_bytes", "sharding_changed", "sharding_cost", "sharding_techniques", "strategy_of"]
 
 
 @dataclass(frozen=True)
@@ -40,10 +42,12 @@ class ShardingChange:
     fsdp: bool = False
     reshard_after_forward: bool | None = None
     param_dtype: torch.dtype | None = None
+    cpu_offload: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.fsdp, bool):
-            raise TypeError(f"ShardingChange.fsdp must be True or False, got {self.fsdp!r}")
+        for name in ("fsdp", "cpu_offload"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"ShardingChange.{name} must be True or False, got {getattr(self, name)!r}")
         if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
             raise TypeError("ShardingChange.reshard_after_forward must be True, False or None, got "
                             f"{self.reshard_after_forward!r}")
@@ -52,7 +56,7 @@ class ShardingChange:
                              f"{self.param_dtype!r}")
 
     def __bool__(self) -> bool:
-        return self.fsdp or self.reshard_after_forward is not None or self.param_dtype is not None
+        return self.fsdp or self.reshard_after_forward is not None or self.param_dtype is not None or self.cpu_offload
 
     def describe(self) -> str:
         parts = []
@@ -62,6 +66,8 @@ class ShardingChange:
             parts.append(f"reshard_after_forward={self.reshard_after_forward}")
         if self.param_dtype is not None:
             parts.append(f"{str(self.param_dtype).replace('torch.', '')} MixedPrecisionPolicy")
+        if self.cpu_offload:
+            parts.append("CPUOffloadPolicy")
         return " + ".join(parts)
 
 
@@ -117,6 +123,10 @@ def apply_sharding_change(change: ShardingChange, stack: contextlib.ExitStack,
         if change.reshard_after_forward is not None:
             reshard_after_forward = change.reshard_after_forward
             post_forward_mesh_info = post_forward_mesh_info_of(reshard_after_forward, mesh_info)
+        if change.cpu_offload:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            offload_policy = CPUOffloadPolicy()
         original_init_group(state, params, modules, mesh_info, post_forward_mesh_info, device, shard_placement_fn,
                             _mp_policy(change, mp_policy), offload_policy,
                             reshard_after_forward=reshard_after_forward)
@@ -171,7 +181,7 @@ def strategy_of(modules: Any, optimizers: Any) -> dict[str, Any]:
 
     out: dict[str, Any] = {"ddp": False, "fsdp2": False, "zero": any(isinstance(o, ZeroRedundancyOptimizer)
                                                                      for o in optimizers)}
-    reshards, dtypes = [], set()
+    reshards, dtypes, offloads = [], set(), []
     for module in modules:
         if isinstance(module, DistributedDataParallel) and not isinstance(getattr(module, "module", None), FSDPModule):
             out["ddp"] = True
@@ -180,18 +190,20 @@ def strategy_of(modules: Any, optimizers: Any) -> dict[str, Any]:
             state = module._get_fsdp_state()
             for group in getattr(state, "_fsdp_param_groups", ()):
                 dtypes.add(str(group.mp_policy.param_dtype).replace("torch.", ""))
+                offloads.append(type(group.offload_policy).__name__ == "CPUOffloadPolicy")
                 if not getattr(state, "_is_root", False):  # FSDP2 leaves the root unsharded by default
                     reshards.append(group.post_forward_mesh_info is not None)
     if out["fsdp2"]:
         out["reshard_after_forward"] = all(reshards) if reshards else True
         out["param_dtype"] = ",".join(sorted(dtypes))
+        out["cpu_offload"] = bool(offloads) and all(offloads)
     return out
 
 
 # The sharding changes fit can suggest, by name: "fsdp" (a DDP script sharded with FSDP2),
 # "reshard" (FSDP2 groups that keep their gathered parameters between forward and backward
 # free them instead), "mp" (FSDP2's bf16 MixedPrecisionPolicy).
-SHARDING_TECHNIQUES = ("fsdp", "reshard", "mp")
+SHARDING_TECHNIQUES = ("fsdp", "reshard", "mp", "offload")
 
 
 def sharding_techniques(strategy: dict[str, Any] | None) -> list[str]:
@@ -206,6 +218,8 @@ def sharding_techniques(strategy: dict[str, Any] | None) -> list[str]:
             out.append("reshard")
         if strategy.get("param_dtype") in ("None", "float32"):
             out.append("mp")
+        if not strategy.get("cpu_offload"):
+            out.append("offload")  # (last: the slowest step of all the changes)
     return out
 
 
@@ -215,7 +229,7 @@ def change_for(techniques: Any) -> ShardingChange | None:
     if not chosen:
         return None
     return ShardingChange(fsdp="fsdp" in chosen, reshard_after_forward=True if "reshard" in chosen else None,
-                          param_dtype=torch.bfloat16 if "mp" in chosen else None)
+                          param_dtype=torch.bfloat16 if "mp" in chosen else None, cpu_offload="offload" in chosen)
 
 
 def communication_sent(trace: Any) -> int | None:
@@ -235,8 +249,26 @@ def sharding_cost(technique: str, blocks: str) -> str:
                 "the forward and again in the backward and gradients reduce-scattered, instead of one all-reduce; "
                 "build the model on meta and call to_empty() after fully_shard, or every GPU holds the whole model "
                 "at the start")
+    if technique == "offload":
+        return ("fully_shard(..., offload_policy=CPUOffloadPolicy()): this rank's parameter shards, gradients and "
+                "optimizer state live in pinned host memory (build the model on meta and call "
+                "to_empty(device=\"cpu\") after fully_shard), the optimizer step runs on the CPU (much slower), and "
+                "each layer's shards are copied to the GPU before its all-gather and its gradients back after its "
+                "reduce-scatter")
     if technique == "reshard":
         return ("fully_shard(..., reshard_after_forward=True): each group frees its gathered parameters after its "
                 "forward and all-gathers them again in the backward")
     return ("fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)): "
             "parameters gathered and used in bf16, fp32 master weights, optimizer state and gradient reduction")
+
+
+def host_bytes(trace: Any) -> int:
+    """Bytes of host memory ("host" storages) the trace holds at its end: with FSDP2's CPU
+    offload, the rank's parameter shards, gradients and optimizer state."""
+    import numpy as np
+
+    from .file_format import CATEGORIES, FREE
+
+    live = np.ones(trace.num_allocations, bool)
+    live[trace.id[trace.kind == FREE]] = False
+    return int(trace.alloc_size[live & (trace.alloc_category == CATEGORIES.index("host"))].sum())
