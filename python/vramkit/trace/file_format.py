@@ -328,6 +328,12 @@ class Trace:
         mask = self.kind == ALLOC
         return int(self.id[mask].max()) + 1 if mask.any() else 0
 
+    def live_at_end(self) -> np.ndarray:
+        """Per allocation, whether it is still live after the last event (never freed)."""
+        live = np.ones(self.num_allocations, bool)
+        live[self.id[self.kind == FREE]] = False
+        return live
+
     @property
     def alloc_index(self) -> np.ndarray:
         """Per allocation id, the index of its ALLOC event (-1 if none)."""

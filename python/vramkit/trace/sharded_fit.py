@@ -24,7 +24,7 @@ from typing import Any
 
 from .capture_step import capture
 from .fit_search import middle_half
-from .file_format import CATEGORIES, FREE, Trace
+from .file_format import CATEGORIES, Trace
 from .gpu_profiles import NCCL_DEFAULT, GpuOverheads, gpu_profile
 from .replay_sim import ON_DEVICE, Prediction, format_size, parse_size, peak_live_bytes, replay
 
@@ -119,10 +119,7 @@ class RankReport:
 def _model_state(trace: Trace) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state the trace holds at its end, each: what
     a rank's shards decide (activations follow the per-rank batch, the same on every rank)."""
-    import numpy as np
-
-    live = np.ones(trace.num_allocations, bool)
-    live[trace.id[trace.kind == FREE]] = False
+    live = trace.live_at_end()
     return {c: int(trace.alloc_size[live & (trace.alloc_category == CATEGORIES.index(c))].sum())
             for c in ("parameter", "gradient", "optimizer_state")}
 
@@ -131,9 +128,8 @@ def _largest_state(trace: Trace) -> tuple[str, int]:
     """The module whose optimizer state the trace holds most of at its end, and those bytes."""
     import numpy as np
 
-    live = np.ones(trace.num_allocations, bool)
-    live[trace.id[trace.kind == FREE]] = False
-    mine = live & (trace.alloc_category == CATEGORIES.index("optimizer_state")) & (trace.alloc_module >= 0)
+    state = trace.alloc_category == CATEGORIES.index("optimizer_state")
+    mine = trace.live_at_end() & state & (trace.alloc_module >= 0)
     if not mine.any():
         return "", 0
     per_module = np.bincount(trace.alloc_module[mine], weights=trace.alloc_size[mine])

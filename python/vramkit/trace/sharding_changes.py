@@ -265,10 +265,6 @@ def sharding_cost(technique: str, blocks: str) -> str:
 def host_bytes(trace: Any) -> int:
     """Bytes of host memory ("host" storages) the trace holds at its end: with FSDP2's CPU
     offload, the rank's parameter shards, gradients and optimizer state."""
-    import numpy as np
+    from .file_format import CATEGORIES
 
-    from .file_format import CATEGORIES, FREE
-
-    live = np.ones(trace.num_allocations, bool)
-    live[trace.id[trace.kind == FREE]] = False
-    return int(trace.alloc_size[live & (trace.alloc_category == CATEGORIES.index("host"))].sum())
+    return int(trace.alloc_size[trace.live_at_end() & (trace.alloc_category == CATEGORIES.index("host"))].sum())
