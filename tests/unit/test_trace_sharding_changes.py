@@ -67,7 +67,7 @@ def test_ddp_sharded_with_fsdp2_holds_what_fsdp2_by_hand_holds(model):
     assert total_peak(changed) < total_peak(written)
     assert changed.meta["strategy"]["fsdp2"] and not changed.meta["strategy"]["ddp"]
     assert changed.meta["sharding_change"] == "FSDP2 instead of DDP"
-    assert written.meta["strategy"] == {"ddp": True, "fsdp2": False, "zero": False}
+    assert written.meta["strategy"] == {"ddp": True, "fsdp2": False, "zero": False, "uneven_shards": 0}
 
 
 @pytest.mark.parametrize("model", ["gpt", "cnn"])
@@ -390,6 +390,22 @@ def test_cpu_offload_moves_exactly_the_model_state_to_the_host(world_size):
     assert total_peak(changed) == total_peak(off) and host_bytes(changed) == host_bytes(off)
 
 
+def test_cpu_offload_copies_each_shard_to_the_gpu_before_its_all_gather():
+    """A real offloading run copies every shard it all-gathers to the GPU first (FSDP2's
+    per-parameter path); on meta those copies are made too. Their bytes in each step equal the
+    bytes the rank sends in that step's all-gathers, as the process group logged them."""
+    import numpy as np
+
+    def clone_bytes(t: vt.Trace) -> int:
+        ops = np.array([t.name_of("ops", int(o)) if o >= 0 else "" for o in t.alloc_op])
+        return int(t.alloc_size[ops == "aten::clone"].sum())
+
+    off = capture(lambda: offloading_gpt(4), 2, 1)
+    on = capture(lambda: offloading_gpt(4, offload=False), 2, 1)
+    sent = sum(step["all_gather"]["sent"] for step in off.meta["distributed"]["steps"])
+    assert sent > 0 and clone_bytes(off) - clone_bytes(on) == sent
+
+
 def test_fit_suggests_cpu_offload_with_the_host_memory_it_takes():
     from vramkit.trace.sharding_changes import host_bytes
 
@@ -407,3 +423,33 @@ def test_fit_suggests_cpu_offload_with_the_host_memory_it_takes():
     assert offload[0].prediction.peak_reserved == vt.replay(off, cap, overheads=vt.NO_OVERHEADS).peak_reserved
     assert f"{vt.format_size(host_bytes(off))} of host memory per rank" in offload[0].cost
     assert "CPUOffloadPolicy()" in offload[0].cost
+
+
+def _assert_same_events(a: vt.Trace, b: vt.Trace) -> None:
+    import numpy as np
+
+    for col in ("kind", "id", "size", "alloc_dtype", "alloc_category", "alloc_op", "alloc_module"):
+        np.testing.assert_array_equal(getattr(a, col), getattr(b, col), err_msg=col)
+    assert (a.dtypes, a.ops, a.modules) == (b.dtypes, b.ops, b.modules)
+
+
+def test_even_shards_capture_rank_0_only_and_every_rank_is_the_same():
+    """The CNN's parameters all divide by 2 (10 outputs, 24 and 48 channels): on two ranks only
+    rank 0 is captured, which is right only if rank 1's capture is the same event for event
+    (checked here). On four ranks the head's 10 rows do not divide: the last rank is captured too."""
+    build = lambda bs: sm.builder("cnn", "fsdp2", batch=bs)()  # noqa: E731
+    two = predict_ranks(build, 4, world_size=2, capacity="1GiB", overheads=vt.NO_OVERHEADS)
+    assert sorted(two.predictions) == [0], two.note
+    assert "divides evenly among the 2 ranks" in two.note
+    assert two.traces[0].meta["strategy"]["uneven_shards"] == 0
+    one = predict_ranks(build, 4, world_size=2, capacity="1GiB", overheads=vt.NO_OVERHEADS, ranks=[1])
+    _assert_same_events(two.traces[0], one.traces[1])
+    four = predict_ranks(build, 4, world_size=4, capacity="1GiB", overheads=vt.NO_OVERHEADS)
+    assert {0, 3} <= set(four.predictions), four.note
+    assert four.traces[0].meta["strategy"]["uneven_shards"] == 2  # the head's weight and bias
+    # DDP replicates: nothing is sharded, one capture answers for every rank.
+    ddp_build = lambda bs: sm.builder("gpt", "ddp", batch=bs)()  # noqa: E731
+    ddp = predict_ranks(ddp_build, 4, world_size=4, capacity="1GiB", overheads=vt.NO_OVERHEADS)
+    assert sorted(ddp.predictions) == [0]
+    last = predict_ranks(ddp_build, 4, world_size=4, capacity="1GiB", overheads=vt.NO_OVERHEADS, ranks=[3])
+    _assert_same_events(ddp.traces[0], last.traces[3])

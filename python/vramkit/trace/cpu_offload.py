@@ -14,9 +14,14 @@ at the end of every step (``tag_host``): the offloaded parameters' shards, their
 are copied out) and their optimizer state; the optimizer step's temporaries are host memory too
 when every parameter the optimizers hold is offloaded. The replay leaves "host" out of the GPU.
 
-Not seen: the GPU copy of a group's shards made just before its all-gather (one group's shards
-at a time, in the parameters' dtype), and the reduce-scatter output's short life on the GPU
-before the copy to the host.
+Before a group's all-gather a real run copies each offloaded shard to the GPU and casts the
+copy to the compute dtype, one parameter after another (FSDP2's per-parameter path: its fused
+foreach copy is for parameters on the GPU only). On meta the shards are already "on the
+device", so ``offload_on_meta`` makes those copies where the real run does: the GPU copy
+(a clone of the shard) and its cast, as the group's all-gather inputs.
+
+Not seen: the reduce-scatter output's short life on the GPU before the copy to the host (it is
+filed as host for its whole life).
 """
 
 from __future__ import annotations
@@ -48,11 +53,40 @@ def offload_on_meta(rec: Any) -> Iterator[None]:
             self.offload_to_cpu = self.pin_memory = False  # on meta: no host copies, no pinning
             rec.offloaded.add(self)
 
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    original_inputs = _fsdp_collectives._get_param_all_gather_inputs
+
+    def all_gather_inputs(fsdp_params: list[Any]) -> list[list[Any]]:
+        mine = [i for i, p in enumerate(fsdp_params) if p in rec.offloaded and _copied_to_gpu(p)]
+        if not mine:
+            return original_inputs(fsdp_params)
+        others = [i for i in range(len(fsdp_params)) if i not in set(mine)]
+        out: list[list[Any]] = [[] for _ in fsdp_params]
+        for i, inputs in zip(others, original_inputs([fsdp_params[i] for i in others]) if others else ()):
+            out[i] = inputs
+        for i in mine:  # as FSDPParam.all_gather_inputs with offload_to_cpu: .to(device), then the cast
+            p = fsdp_params[i]
+            on_gpu = p._sharded_param_data.clone()
+            out[i] = [on_gpu if p.param_dtype in (None, on_gpu.dtype) else on_gpu.to(p.param_dtype)]
+        return out
+
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_patched(_fsdp_collectives, "_get_param_all_gather_inputs", all_gather_inputs))
         stack.enter_context(_patched(FSDPParam, "__init__", init))
         # FSDP2 checks that offloaded parameters live on the CPU; here they stand for it on meta.
         stack.enter_context(_patched(FSDPParamGroup, "_validate_cpu_offload_params", lambda self: None))
         yield
+
+
+def _copied_to_gpu(fsdp_param: Any) -> bool:
+    """Whether a real run copies this offloaded parameter's shard to the GPU for its all-gather:
+    in the sharded state (a post-forward shard is on the GPU already), without a tensor
+    subclass's own pre-all-gather (which this leaves to FSDP2)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    return (fsdp_param.sharded_state == ShardedState.SHARDED
+            and not hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather"))
 
 
 def tag_host(rec: Any) -> None:

@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .dtensor_local import NOT_HANDLED, foreach_on_shards
+from .meta_shapes import SHAPES, tensors_in
 
 __all__ = ["DataDependentError", "MetaValues", "LIMIT_BYTES", "tensors_in"]
 
@@ -133,11 +134,13 @@ class MetaValues:
 
     # ---------------------------------------------------------------- dispatch
 
-    def run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+            tensors: list[torch.Tensor] | None = None) -> Any:
         """Run `func` on the meta arguments, computing values alongside where it can; answer
-        data-dependent ops from values."""
+        data-dependent ops from values. `tensors`: ``tensors_in((args, kwargs))`` if the caller
+        has it already."""
         name = func._schema.name
-        metas = [t for t in tensors_in((args, kwargs)) if t.device.type == "meta"]
+        metas = [t for t in (tensors_in((args, kwargs)) if tensors is None else tensors) if t.device.type == "meta"]
         known = all(self.value(t) is not None for t in metas)
         if func is _SCALAR:
             (t,) = metas or [args[0]]
@@ -147,7 +150,8 @@ class MetaValues:
             return value.item()
         mutated = _mutated(func, args, kwargs)
         try:
-            out = func(*args, **kwargs)
+            # Outputs that will have no values: their shapes may come from the cache (meta_shapes).
+            out = SHAPES.run(func, args, kwargs) if metas and not known and not mutated else func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as exc:
             unknown = next((t for t in metas if self.value(t) is None), None)
             if not metas or mutated:
@@ -235,27 +239,6 @@ class MetaValues:
             "(ids, positions, masks), not of activations; capture a scaled-down copy of the model with "
             "device='cpu', or make the step's shapes independent of those values (see the guide: "
             "docs/will-it-fit.md, 'Models with data-dependent shapes')")
-
-
-def tensors_in(obj: Any) -> list[torch.Tensor]:
-    """The tensors in an op's arguments or outputs (tensors, lists, tuples, dicts of them): what
-    ``tree_flatten`` finds among them, in the same order, at a fraction of its cost, which in a
-    capture of 64,000 ops was a fifth of the capture's time.
-
-    A loop, not a recursive closure: a closure that calls itself is a reference cycle, which
-    would keep the list, and so every tensor in it, alive until Python's cycle collector runs,
-    and the capture would record their storages as freed late."""
-    out: list[torch.Tensor] = []
-    stack = [obj]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, torch.Tensor):
-            out.append(o)
-        elif isinstance(o, (list, tuple)):
-            stack.extend(reversed(o))
-        elif isinstance(o, dict):
-            stack.extend(reversed(list(o.values())))
-    return out
 
 
 _FAILED = object()

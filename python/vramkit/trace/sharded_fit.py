@@ -10,7 +10,10 @@ outside the allocator (``GpuOverheads.nccl``; 650 MiB by default, measured on an
   local tensors (and so their optimizer states) can be shorter.
 - ZeroRedundancyOptimizer gives whole parameters to ranks, so ranks differ.
 
-So rank 0 and the last rank are captured first. If their parameters, gradients or optimizer
+So rank 0 is captured first. Where that capture's strategy gives every rank shards of the
+same shapes (no ZeroRedundancyOptimizer, every sharded dimension divisible by its mesh
+dimension: Llama 3 70B's on 64 ranks are), the others are taken to match it. Otherwise the last
+rank is captured too; if their parameters, gradients or optimizer
 states differ by more than 1 %, every rank is captured, up to `max_ranks`; a larger job then
 captures an evenly spread sample and says so. Per-rank batch sizes are what the builder is given: the global batch is world size x batch
 size.
@@ -175,8 +178,11 @@ def predict_ranks(build: Callable[..., Any], batch_size: int, *, world_size: int
         for r in ranks:
             one(r)
         note = f"ranks captured: {', '.join(map(str, sorted(ranks)))} (as asked)"
+    elif _same_shapes_on_every_rank(traces, one, world_size):
+        note = (f"rank 0 captured: every sharded parameter divides evenly among the {world_size} ranks and no "
+                "ZeroRedundancyOptimizer assigns parameters to ranks, so every rank holds tensors of the same shapes "
+                "and the others, running the same step, are taken to match")
     else:
-        one(0)
         one(world_size - 1)
         a, b = _model_state(traces[0]), _model_state(traces[world_size - 1])
         if all(abs(a[c] - b[c]) <= 0.01 * max(a[c], b[c], 1) for c in a):
@@ -193,6 +199,14 @@ def predict_ranks(build: Callable[..., Any], batch_size: int, *, world_size: int
                     + (f"every rank was captured" if len(chosen) == world_size
                        else f"{len(chosen)} evenly spread ranks were captured (of {world_size})"))
     return RankReport(world_size, batch_size, cap, preds, traces, note)
+
+
+def _same_shapes_on_every_rank(traces: dict[int, Trace], one: Callable[[int], None], world_size: int) -> bool:
+    """Captures rank 0, and says whether the strategy it recorded gives every rank shards of
+    the same shapes (DDP, no sharding, or FSDP2 with every sharded dimension divisible)."""
+    one(0)
+    strategy = traces[0].meta.get("strategy", {})
+    return world_size > 1 and not strategy.get("zero", True) and strategy.get("uneven_shards", 1) == 0
 
 
 def world_sizes(limit: int) -> list[int]:

@@ -182,7 +182,9 @@ def strategy_of(modules: Any, optimizers: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"ddp": False, "fsdp2": False, "zero": any(isinstance(o, ZeroRedundancyOptimizer)
                                                                      for o in optimizers)}
     reshards, dtypes, offloads = [], set(), []
+    uneven = 0  # sharded parameters whose sharded dimension does not divide by its mesh dimension
     for module in modules:
+        uneven += sum(_uneven(p) for p in module.parameters(recurse=False))
         if isinstance(module, DistributedDataParallel) and not isinstance(getattr(module, "module", None), FSDPModule):
             out["ddp"] = True
         if isinstance(module, FSDPModule):
@@ -193,11 +195,23 @@ def strategy_of(modules: Any, optimizers: Any) -> dict[str, Any]:
                 offloads.append(type(group.offload_policy).__name__ == "CPUOffloadPolicy")
                 if not getattr(state, "_is_root", False):  # FSDP2 leaves the root unsharded by default
                     reshards.append(group.post_forward_mesh_info is not None)
+    out["uneven_shards"] = uneven
     if out["fsdp2"]:
         out["reshard_after_forward"] = all(reshards) if reshards else True
         out["param_dtype"] = ",".join(sorted(dtypes))
         out["cpu_offload"] = bool(offloads) and all(offloads)
     return out
+
+
+def _uneven(param: Any) -> bool:
+    """Whether a DTensor parameter's shards differ in shape between ranks (a Shard(d) placement
+    over a mesh dimension that does not divide its size d: the last ranks' chunks are shorter)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return False
+    return any(placement.is_shard() and param.shape[placement.dim] % n  # type: ignore[attr-defined]
+               for n, placement in zip(param.device_mesh.shape, param.placements))
 
 
 # The sharding changes fit can suggest, by name: "fsdp" (a DDP script sharded with FSDP2),
