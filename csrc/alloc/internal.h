@@ -150,6 +150,7 @@ struct vram_pool {
     vram__block_t *spare_blocks; /* recycled block structs, linked through ->next */
     uint64_t num_spare;
     uintptr_t fresh_lo, fresh_hi; /* expandable: pages the current malloc mapped (empty if none) */
+    int quiet_oom;               /* 1: an OOM here is expected (a trace replay): no OOM callback */
     void **block_chunks;         /* slabs to free at destroy */
     uint64_t num_chunks, cap_chunks;
 };

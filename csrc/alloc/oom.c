@@ -12,6 +12,12 @@ static _Thread_local vram_oom_info_t last_oom;
 
 void vram_last_oom(vram_oom_info_t *out) { *out = last_oom; }
 
+static vram_oom_callback_t oom_callback; /* read and written atomically: set from any thread */
+
+void vram_set_oom_callback(vram_oom_callback_t callback) {
+    __atomic_store_n(&oom_callback, callback, __ATOMIC_RELEASE);
+}
+
 /* Why the host check refused: which limit bound, and what vramkit held back. */
 static void describe_host_refusal(const vram_pool_t *pool, uint64_t segment_size, char *out, size_t len) {
     const vram_host_memory_t *r = &pool->host.reading;
@@ -150,9 +156,12 @@ vram_status_t vram__report_oom(vram_pool_t *pool, uint64_t requested, uint64_t s
                      ? " (VRAMKIT_ALLOC_CONF=expandable_page_mb:2 maps large-pool pages of 2 MiB)" : "");
     if (host_refused) describe_host_refusal(pool, pool->host.refused_size, advice, sizeof advice);
     else if (as_refused) describe_address_limit(pool, &as, advice, sizeof advice);
-    return vram__fail(VRAM_ERR_OOM,
+    vram_status_t status = vram__fail(VRAM_ERR_OOM,
                       "%s out of memory. Tried to allocate %s. %s has a total capacity of %s of which %s is free. "
                       "%sOf the allocated memory %s is allocated by vramkit, and %s is reserved by vramkit but "
                       "unallocated. %s",
                       kind, req, where, total_s, free_s, allowed_s, alloc_s, unalloc_s, advice);
+    vram_oom_callback_t callback = __atomic_load_n(&oom_callback, __ATOMIC_ACQUIRE);
+    if (callback && !pool->quiet_oom) callback(&last_oom, vram_last_error());
+    return status;
 }

@@ -140,6 +140,7 @@ vram_status_t vram_trace_replay(const uint8_t *kind, const int64_t *id, const ui
         free(addrs);
         return status;
     }
+    pool->quiet_oom = 1; /* a predicted OOM is the answer, not an event for the OOM callback */
 
     const vram_stats_t *stats = &pool->stats;
     const int64_t *allocated = &stats->allocated_bytes[VRAM_STAT_ALL].current;

@@ -68,6 +68,13 @@ typedef struct vram_oom_info {
 } vram_oom_info_t;
 VRAM_API void vram_last_oom(vram_oom_info_t *out);
 
+/* Called on every VRAM_ERR_OOM of a pool (not of trace replays), on the thread that failed,
+ * with the pool's lock held and the figures and message of the failure: it must not call into
+ * vramkit, and should only copy what it needs (the Python module queues it and reports it
+ * later from the interpreter). NULL turns it off. */
+typedef void (*vram_oom_callback_t)(const vram_oom_info_t *info, const char *message);
+VRAM_API void vram_set_oom_callback(vram_oom_callback_t callback);
+
 /* ======================================================================================
  * Devices
  * ====================================================================================== */

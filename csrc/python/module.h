@@ -47,6 +47,7 @@ int vk_checkpoint_init(PyObject *module); /* checkpoint.c: the checkpoint planne
 int vk_trace_init(PyObject *module);      /* trace.c: allocation trace replay */
 int vk_smi_init(PyObject *module);        /* smi.c: GPUs and their processes from NVML */
 int vk_mempool_init(PyObject *module);    /* mempool.c: private pools (vramkit.MemPool) */
+int vk_oom_queue_init(PyObject *module);  /* oom_queue.c: out-of-memory reports to Python */
 
 /* Add a NULL-terminated method table to the module. */
 int vk_add_methods(PyObject *module, PyMethodDef *methods);

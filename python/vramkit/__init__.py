@@ -63,6 +63,7 @@ from .memory.mempool import MemPool, use_mem_pool
 from .survive.smi import list_gpu_processes
 from . import amp, sim, survive
 from .survive.leaks import watch_leaks
+from .survive.oom import on_oom
 
 __version__ = _C.__version__
 
@@ -78,7 +79,7 @@ __all__ = [
     "max_memory_reserved", "mem_get_info", "memory_allocated", "memory_reserved", "memory_snapshot", "memory_stats",
     "memory_summary", "pool_check", "raw_alloc", "raw_free", "record_memory_history", "record_stream",
     "reset_accumulated_memory_stats", "reset_peak_memory_stats", "set_device", "set_memory_limit", "amp",
-    "set_per_process_memory_fraction", "sim", "survive", "synchronize", "watch_leaks",
+    "on_oom", "set_per_process_memory_fraction", "sim", "survive", "synchronize", "watch_leaks",
     # torch.cuda.memory's other names (memory/compat.py, survive/smi.py)
     "caching_allocator_alloc", "caching_allocator_delete", "caching_allocator_disabled", "caching_allocator_enable",
     "get_allocator_backend", "get_per_process_memory_fraction",
@@ -87,6 +88,14 @@ __all__ = [
     "reset_max_memory_allocated", "reset_max_memory_cached", "reset_peak_host_memory_stats",
     "MemPool", "use_mem_pool",
 ]
+
+
+def load_ipython_extension(ipython: object) -> None:
+    """``%load_ext vramkit`` in IPython or Jupyter: the ``%%vram`` and ``%vram_free`` magics
+    (``vramkit.integrations.notebook``)."""
+    from .integrations.notebook import load_ipython_extension as load
+
+    load(ipython)
 
 
 def __getattr__(name: str) -> _types.ModuleType:

@@ -2,6 +2,7 @@
  * limits and fractions, max_split_size, garbage collection, power-of-two rounding, and
  * record_stream's deferred reuse. Expected values follow PyTorch's documented rules. */
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "harness.h"
@@ -29,6 +30,39 @@ static void test_oom_message_and_recovery(void) {
     CHECK_OK(vram_free(pool, a, 0));
     CHECK_OK(vram_malloc(pool, 60 * MiB, 0, 0, &b)); /* usable again: reuses the cached segment */
     CHECK(b == a);
+    CHECK_OK(vram_free(pool, b, 0));
+    CHECK_POOL(pool);
+    vram_pool_destroy(pool);
+}
+
+/* The OOM callback: called once per failed request with the figures of vram_last_oom and the
+ * message; a request that succeeds after freeing the cache is no OOM; NULL turns it off. */
+static int callback_calls;
+static vram_oom_info_t callback_info;
+static char callback_message[256];
+static void on_oom(const vram_oom_info_t *info, const char *message) {
+    callback_calls++;
+    callback_info = *info;
+    snprintf(callback_message, sizeof callback_message, "%s", message);
+}
+
+static void test_oom_callback(void) {
+    vram_pool_t *pool = make_sim_pool(100 * MiB, NULL);
+    void *a, *b;
+    callback_calls = 0;
+    vram_set_oom_callback(on_oom);
+    CHECK_OK(vram_malloc(pool, 60 * MiB, 0, 0, &a));
+    CHECK_OK(vram_free(pool, a, 0));
+    CHECK_OK(vram_malloc(pool, 70 * MiB, 0, 0, &b)); /* frees the cached 60 MiB first: no OOM */
+    CHECK(callback_calls == 0);
+    CHECK_STATUS(vram_malloc(pool, 60 * MiB, 0, 0, &a), VRAM_ERR_OOM);
+    CHECK(callback_calls == 1);
+    CHECK(callback_info.requested == 60 * MiB && callback_info.allocated == 70 * MiB);
+    CHECK(callback_info.device_total == 100 * MiB && callback_info.device_free == 30 * MiB);
+    CHECK_CONTAINS(callback_message, "out of memory. Tried to allocate 60.00 MiB.");
+    vram_set_oom_callback(NULL);
+    CHECK_STATUS(vram_malloc(pool, 60 * MiB, 0, 0, &a), VRAM_ERR_OOM);
+    CHECK(callback_calls == 1);
     CHECK_OK(vram_free(pool, b, 0));
     CHECK_POOL(pool);
     vram_pool_destroy(pool);
@@ -334,6 +368,7 @@ int main(void) {
     RUN(test_failed_events_never_release_a_block_early);
     RUN(test_oom_message_and_recovery);
     RUN(test_oom_frees_cache_and_retries);
+    RUN(test_oom_callback);
     RUN(test_limits_and_fraction);
     RUN(test_max_split_size);
     RUN(test_garbage_collection);

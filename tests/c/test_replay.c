@@ -117,6 +117,13 @@ static void test_stream_column(void) {
 
 /* 64 MiB device: 30 MiB + 30 MiB segments, then 10 MiB does not fit (nothing is cached to
  * release), so event 2 raises OOM and the replay stops there. */
+static int replay_ooms_seen; /* a replay's OOM is its answer, not an event for the OOM callback */
+static void count_oom(const vram_oom_info_t *info, const char *message) {
+    (void)info;
+    (void)message;
+    replay_ooms_seen++;
+}
+
 static void test_oom_stops_at_the_event(void) {
     uint8_t kind[] = {A, A, A, F, A};
     int64_t id[] = {0, 1, 2, 0, 3};
@@ -124,7 +131,10 @@ static void test_oom_stops_at_the_event(void) {
     trace_t t = {kind, id, size, NULL, 5};
     outs_t o = outs_new(t.n);
     vram_replay_result_t r;
+    vram_set_oom_callback(count_oom);
     CHECK_OK(replay(&t, 64 * MiB, NULL, &o, &r));
+    vram_set_oom_callback(NULL);
+    CHECK(replay_ooms_seen == 0);
     CHECK(r.oom_event == 2 && r.events == 3);
     CHECK(r.num_ooms == 1 && r.num_alloc_retries == 1);
     CHECK(r.peak_reserved == 60 * MiB && r.peak_reserved_event == 1);

@@ -189,3 +189,36 @@ def test_in_process_run_reports_other_devices_only_when_used(tmp_path, monkeypat
     assert snapshot["vramkit_device"] == used
     assert not (tmp_path / f"vramkit-timeline-{idle.replace(':', '')}.html").exists()
     assert not vramkit.numpy.is_installed()  # the process is left as it was found
+
+
+OOM_SCRIPT = textwrap.dedent("""\
+    import numpy as np
+    import vramkit
+    vramkit.set_memory_limit(64 << 20, "cpu")
+    keep = [np.ones(8 << 20, dtype=np.uint8) for _ in range(4)]
+    try:
+        np.ones(48 << 20, dtype=np.uint8)
+    except MemoryError:
+        print("caught")
+    """)
+
+
+def test_an_out_of_memory_under_run_writes_its_post_mortem(tmp_path):
+    """On by default under vramkit run: the screen on stderr, a snapshot and a timeline in
+    vramkit-oom/; --oom-dir '' turns it off."""
+    (tmp_path / "oom.py").write_text(OOM_SCRIPT)
+    proc = run_vramkit("run", "oom.py", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "caught" in proc.stdout
+    assert "=== vramkit: out of memory on cpu ===" in proc.stderr
+    assert "asked for 48.0 MiB" in proc.stderr and "oom.py:4 in <listcomp> (4 allocations)" in proc.stderr
+    files = sorted(os.listdir(tmp_path / "vramkit-oom"))
+    assert [f.rsplit(".", 1)[1] for f in files] == ["html", "pickle"], files
+    snap = load_snapshot(tmp_path / "vramkit-oom" / files[1])
+    assert any(e["action"] == "oom" and e["size"] == 48 << 20 for e in snap["device_traces"][0])
+    off = tmp_path / "off"
+    off.mkdir()
+    (off / "oom.py").write_text(OOM_SCRIPT)
+    proc = run_vramkit("run", "--oom-dir", "", "oom.py", cwd=off)
+    assert proc.returncode == 0 and "caught" in proc.stdout
+    assert "out of memory on cpu ===" not in proc.stderr and not (off / "vramkit-oom").exists()

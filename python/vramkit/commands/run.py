@@ -1,7 +1,7 @@
 """`vramkit run`: run a Python script and report its memory use.
 
-    vramkit run [--allocator torch|vramkit] [--html PATH] [--snapshot PATH] [--max-entries N]
-                [--top N] [--rank-report PATH] [--wait-ranks SECONDS] [SCRIPT [ARGS...]]
+    vramkit run [--allocator torch|vramkit] [--html PATH] [--snapshot PATH] [--oom-dir DIR]
+                [--max-entries N] [--top N] [--rank-report PATH] [--wait-ranks SECONDS] [SCRIPT [ARGS...]]
 
 `run` executes a Python script as `python SCRIPT ARGS` would, with NumPy's array memory routed
 through vramkit's cpu pool and the allocation history recorded, then prints the memory summary,
@@ -9,7 +9,9 @@ the peaks and the largest allocation sites, and writes a snapshot pickle (for
 pytorch.org/memory_viz) and a self-contained HTML timeline per device. When the script imports
 torch, its tensors are reported too (run_torch.py): from torch's own CUDA caching allocator, or
 on a machine without a GPU from the live-tensor meter; with `--allocator vramkit` the CUDA
-tensors come from vramkit's pool instead. Without SCRIPT it runs the bundled example, an image
+tensors come from vramkit's pool instead. An out-of-memory while the script runs writes its
+post-mortem to `--oom-dir` (``vramkit.on_oom``: the screen, a snapshot and a timeline at the
+failure). Without SCRIPT it runs the bundled example, an image
 pipeline training a small MLP in NumPy, then a checkpointed MLP in PyTorch.
 
 Under torchrun (`torchrun --nproc_per_node N -m vramkit run train.py`: RANK and WORLD_SIZE set,
@@ -59,6 +61,10 @@ def add_command(commands: Any) -> None:
                      help="where to write the HTML timeline (default: %(default)s)")
     run.add_argument("--snapshot", default="vramkit-snapshot.pickle", metavar="PATH",
                      help="where to write the snapshot pickle for pytorch.org/memory_viz (default: %(default)s)")
+    run.add_argument("--oom-dir", default="vramkit-oom", metavar="DIR",
+                     help="where an out-of-memory writes its post-mortem (a snapshot and a timeline at the failure, "
+                          "with the rank in the name under torchrun; vramkit.on_oom) (default: %(default)s; '' turns it "
+                          "off)")
     run.add_argument("--max-entries", type=_positive_int, default=100_000, metavar="N",
                      help="events kept in the history ring buffer per device (default: %(default)s)")
     run.add_argument("--top", type=_non_negative_int, default=5, metavar="N",
@@ -287,6 +293,9 @@ def _measure(ns: argparse.Namespace, script: str,
     was_installed = vnp.is_installed()
     vnp.install()
     watch.start()
+    # (armed after the histories are on, so that it leaves them to this command)
+    post_mortem = vramkit.on_oom(os.path.abspath(ns.oom_dir), devices=devices, top=max(ns.top, 5)) if ns.oom_dir \
+        else None
     start = time.perf_counter()
     try:
         if rank is not None:
@@ -296,6 +305,9 @@ def _measure(ns: argparse.Namespace, script: str,
         ending = ending_of(exc, _exit_status(exc.code))
     finally:
         wall_s = time.perf_counter() - start
+        if post_mortem is not None:
+            vramkit._C._drain_oom_queue()  # an OOM in the script's last moments: its post-mortem first
+            post_mortem.remove()
         torch_reports = watch.stop()
         if not was_installed:
             vnp.uninstall()

@@ -26,14 +26,13 @@ With ``vramkit run --allocator vramkit`` the CUDA tensors come from vramkit's ow
 from __future__ import annotations
 
 import collections
-import importlib.abc
-import importlib.util
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
+
+from .._core.after_import import AfterImport as _AfterImport
 
 __all__ = ["DeviceReport", "TorchWatch"]
 
@@ -138,35 +137,6 @@ def _make_recorder(max_entries: int) -> Any:
                 return {"segments": segments, "device_traces": [trace]}
 
     return CpuTensorRecorder()
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Calls `callback(module)` once `import NAME` has executed the module (a post-import hook)."""
-
-    def __init__(self, name: str, callback: Any) -> None:
-        self.name, self.callback = name, callback
-        self._busy = threading.local()
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != self.name or getattr(self._busy, "on", False):
-            return None
-        self._busy.on = True
-        try:
-            spec = importlib.util.find_spec(fullname)  # the finders after this one
-        finally:
-            self._busy.on = False
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        loader, callback = spec.loader, self.callback
-        run_module = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            run_module(module)
-            callback(module)
-
-        # this loader instance serves this one module
-        loader.exec_module = exec_module  # type: ignore[method-assign]  # a post-import hook, on purpose
-        return spec
 
 
 class TorchWatch:

@@ -22,7 +22,7 @@ from typing import Any
 
 __all__ = [
     "BEFORE_HISTORY", "AllocationSite", "Frame", "LiveAllocation", "MemoryReplay", "allocation_sites", "device_trace",
-    "format_bytes", "is_internal_frame", "replay", "site_key", "user_frames",
+    "format_bytes", "is_internal_frame", "live_at_oom", "live_sites", "replay", "site_key", "user_frames",
 ]
 
 Snapshot = Mapping[str, Any]
@@ -344,3 +344,41 @@ def allocation_sites(snapshot: Snapshot, device: int | None = None, *,
     sites = [AllocationSite(stack, live, total, count) for stack, (live, total, count) in totals.items()]
     sites.sort(key=lambda s: (-s.live_at_peak, -s.total_bytes, s.label))
     return sites
+
+
+def live_at_oom(snapshot: Snapshot, device: int | None = None) -> tuple[list[LiveAllocation], bool]:
+    """What was allocated when the device's last out-of-memory happened, largest first, and
+    whether the trace said so: the history replayed up to its last 'oom' event (vramkit's pools
+    and PyTorch's allocator record one per failed request), so frees made while the exception
+    unwound do not count. Without such an event (no history recorded), what is allocated now:
+    the snapshot's allocated blocks, with the stacks they carry, and False."""
+    trace = device_trace(snapshot, device)
+    index = _device_index(snapshot, device)
+    segments = _segments(snapshot, index)
+    last = max((i for i, e in enumerate(trace) if e.get("action") == "oom"), default=None)
+    cache: dict[tuple[Any, ...], Stack] = {}
+    if last is None:
+        now = [LiveAllocation(int(b["address"]), int(b["size"]), _stack(b, cache))
+               for s in segments for b in s.get("blocks") or () if b.get("state") == "active_allocated"]
+        return sorted(now, key=lambda x: (-x.size, x.address)), False
+    live: dict[int, LiveAllocation | Mapping[str, Any]] = {a.address: a for a in _initial_live(trace, segments)}
+    for e in trace[:last]:
+        action = e.get("action")
+        if action == "alloc":
+            live[int(e["addr"])] = e
+        elif action == "free_requested":
+            live.pop(int(e["addr"]), None)
+    at = [v if isinstance(v, LiveAllocation) else LiveAllocation(a, int(v["size"]), _stack(v, cache))
+          for a, v in live.items()]
+    return sorted(at, key=lambda x: (-x.size, x.address)), True
+
+
+def live_sites(live: Iterable[LiveAllocation]) -> list[tuple[Stack, int, int]]:
+    """Live allocations grouped by site (``site_key``): (site, bytes, count), largest first.
+    Allocations without a recorded stack share the site ``()`` (BEFORE_HISTORY)."""
+    totals: dict[Stack, list[int]] = {}
+    for a in live:
+        t = totals.setdefault(site_key(a.frames) if a.frames else (), [0, 0])
+        t[0] += a.size
+        t[1] += 1
+    return sorted(((k, v[0], v[1]) for k, v in totals.items()), key=lambda x: (-x[1], -x[2]))

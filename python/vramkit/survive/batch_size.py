@@ -33,6 +33,7 @@ In the spirit of accelerate's ``find_executable_batch_size``, with these differe
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 import time
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .. import _C
+from .._core.text_html import TextAsHtml
 
 __all__ = ["Attempt", "BatchSizeResult", "find_batch_size", "is_out_of_memory"]
 
@@ -94,7 +96,7 @@ class Attempt:
 
 
 @dataclass
-class BatchSizeResult:
+class BatchSizeResult(TextAsHtml):
     batch_size: int  # the largest size that fit (0: none did)
     attempts: list[Attempt] = field(default_factory=list)
     device: str = ""
@@ -243,7 +245,11 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1, max_batch_siz
         if multiple_of > max_batch_size:
             raise ValueError(f"no multiple of {multiple_of} is at most max_batch_size ({max_batch_size})")
         cands = range(multiple_of, max_batch_size + 1, multiple_of)
-    result.batch_size, failed = _search_list(cands, fits, start)
+    from .oom import active
+
+    watch = active()
+    with watch.paused() if watch is not None else contextlib.nullcontext():  # its OOMs are the search's answers
+        result.batch_size, failed = _search_list(cands, fits, start)
     result.capped = failed is None and result.batch_size > 0
     return result
 
@@ -300,6 +306,7 @@ def _attempt(step: Callable[[int], Any], bs: int, meter: _Meter, margin: float) 
         if why is None:
             raise
         outcome, matched = "oom", why
+        _C._drain_oom_queue()  # a vramkit pool's OOM report, handed over now, while the post-mortem is paused
         error = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         # The traceback keeps every frame of the failed step alive, and with them its tensors.
         traceback.clear_frames(exc.__traceback__)
