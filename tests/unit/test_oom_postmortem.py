@@ -128,6 +128,27 @@ def test_an_unwritable_directory_is_a_warning_not_a_second_exception(tmp_path):
     assert "not done: could not write" in out.getvalue() and "asked for" in out.getvalue()
 
 
+def test_a_full_disk_is_a_warning_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    import errno
+
+    import vramkit.report.timeline as timeline
+
+    def no_space(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(timeline, "write_atomically", no_space)  # the snapshot fits, the timeline does not
+    dev = vramkit.sim.create(16 * MiB)
+    out = io.StringIO()
+    watch = vramkit.on_oom(tmp_path, stream=out, devices=[dev])
+    with pytest.warns(oom.OomDumpWarning, match="No space left on device"):
+        with pytest.raises(vramkit.OutOfMemoryError):
+            vramkit.raw_alloc(32 * MiB, dev)
+        _C._drain_oom_queue()
+    pm = watch.dumps[0]
+    assert list(pm.files) == ["snapshot"] and os.listdir(tmp_path) == [os.path.basename(pm.files["snapshot"])]
+    assert "No space left on device" in out.getvalue()
+
+
 def test_max_dumps_then_one_line_each(tmp_path):
     dev = vramkit.sim.create(16 * MiB)
     out = io.StringIO()
