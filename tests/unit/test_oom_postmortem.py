@@ -223,8 +223,9 @@ def test_remove_turns_off_the_history_it_turned_on(tmp_path):
 
 
 def test_torchs_observer_writes_a_post_mortem(tmp_path, monkeypatch):
-    """torch calls its out-of-memory observers with (device, requested, device_allocated,
-    device_free) before raising; the snapshot is torch.cuda.memory._snapshot() with an 'oom'."""
+    """torch calls its out-of-memory observers with (device, requested, the memory fraction's cap
+    or the device's total, the device's free bytes) before raising (c10's CUDACachingAllocator);
+    the snapshot is torch.cuda.memory._snapshot() with an 'oom' event."""
     torch = pytest.importorskip("torch")
     base = 0x7F00_0000_0000
     frames = [ts.frame("/home/user/train.py", 30, "forward")]
@@ -240,6 +241,7 @@ def test_torchs_observer_writes_a_post_mortem(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: history.append(kw))
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda device=None: snapshot)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 20 * MiB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 12 * MiB)
 
     class Props:
         total_memory = 32 * MiB
@@ -248,17 +250,20 @@ def test_torchs_observer_writes_a_post_mortem(tmp_path, monkeypatch):
     out = io.StringIO()
     watch = vramkit.on_oom(tmp_path, stream=out, devices=[])
     assert len(attached) == 1 and history and history[0]["stacks"] == "python"
-    attached[0](0, 40 * MiB, 12 * MiB, 10 * MiB)  # what torch's allocator does at the failure
+    attached[0](0, 40 * MiB, 32 * MiB, 10 * MiB)  # what torch's allocator does at the failure
     pm = watch.dumps[0]
-    assert (pm.device, pm.allocator, pm.requested, pm.allocated, pm.reserved, pm.total) == \
-        ("cuda:0", "torch", 40 * MiB, 12 * MiB, 20 * MiB, 32 * MiB)
+    assert (pm.device, pm.allocator, pm.requested, pm.allocated, pm.reserved, pm.total, pm.allowed) == \
+        ("cuda:0", "torch", 40 * MiB, 12 * MiB, 20 * MiB, 32 * MiB, None)
     assert pm.sites == [("train.py:30 in forward", 12 * MiB, 1)]
     with open(pm.files["snapshot"], "rb") as f:
         assert pickle.load(f) == snapshot  # torch's snapshot, as torch gave it
     assert "-cuda0-1" in pm.files["snapshot"]
+    attached[0](0, 40 * MiB, 24 * MiB, 10 * MiB)  # under set_per_process_memory_fraction: its cap
+    assert watch.dumps[1].allowed == 24 * MiB
+    assert any("limit set on this device binds (24.0 MiB" in r for r in watch.dumps[1].remedies)
     watch.remove()
-    attached[0](0, 40 * MiB, 12 * MiB, 10 * MiB)  # torch cannot detach it: the forwarder finds no watch
-    assert len(watch.dumps) == 1
+    attached[0](0, 40 * MiB, 32 * MiB, 10 * MiB)  # torch cannot detach it: the forwarder finds no watch
+    assert len(watch.dumps) == 2
 
 
 # --- the remedies and the model-state split ----------------------------------------------------

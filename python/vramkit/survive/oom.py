@@ -130,15 +130,20 @@ class OomWatch:
             problems.append(f"no snapshot of {device}: {exc}")
         self._report(info, snapshot, "vramkit", None, problems)
 
-    def _torch_oom(self, device: int, requested: int, allocated: int, free: int) -> None:
-        """torch's observer, called inside its allocator before it raises OutOfMemoryError."""
+    def _torch_oom(self, device: int, requested: int, limit: int, free: int) -> None:
+        """torch's observer, called by its allocator before it raises OutOfMemoryError (with its
+        lock released): (device, the request, the memory fraction's cap if one is set else the
+        device's total, the device's free bytes)."""
         torch = sys.modules["torch"]
-        info: dict[str, Any] = {"device": f"cuda:{device}", "requested": requested, "allocated": allocated,
-                                "free": free, "message": "CUDA out of memory (PyTorch's caching allocator)"}
+        info: dict[str, Any] = {"device": f"cuda:{device}", "requested": requested, "free": free,
+                                "message": "CUDA out of memory (PyTorch's caching allocator)"}
         problems = []
         try:
+            info["allocated"] = int(torch.cuda.memory_allocated(device))
             info["reserved"] = int(torch.cuda.memory_reserved(device))
-            info["total"] = int(torch.cuda.get_device_properties(device).total_memory)
+            info["total"] = total = int(torch.cuda.get_device_properties(device).total_memory)
+            if 0 < limit < total:  # set_per_process_memory_fraction
+                info["allowed"] = limit
         except Exception as exc:  # noqa: BLE001
             problems.append(f"torch's counters could not be read: {exc}")
         snapshot = None
@@ -229,10 +234,10 @@ def _forward_vramkit(info: dict[str, Any]) -> None:
         watch._vramkit_oom(info)
 
 
-def _forward_torch(device: int, requested: int, allocated: int, free: int) -> None:
+def _forward_torch(device: int, requested: int, limit: int, free: int) -> None:
     watch = _active
     if watch is not None:
-        watch._torch_oom(device, requested, allocated, free)
+        watch._torch_oom(device, requested, limit, free)
 
 
 def _arm_torch() -> None:
