@@ -1,13 +1,15 @@
 """The pytest plugin of vramkit, loaded by pytest through the ``pytest11`` entry point "vramkit".
 
-It registers the markers ``vram_limit``, ``vram_no_leak`` and ``vram_sim`` and the fixture
-``vram_sim``; the work is in ``vramkit.survive.pytest_plugin`` (see its docstring), imported only when a
-marked test runs or the fixture is used, so that loading the plugin does not import vramkit.
+It registers the markers ``vram_limit``, ``vram_no_leak``, ``vram_sim`` and ``vram_benchmark`` and the
+fixtures ``vram_sim`` and ``vram``; the work is in ``vramkit.survive.pytest_plugin`` and
+``vramkit.survive.pytest_benchmark_vram`` (see their docstrings), imported only when a marked test
+runs or a fixture is used, so that loading the plugin does not import vramkit.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import Any, Iterator
 
 import pytest
 
@@ -18,7 +20,14 @@ _MARKERS = (
     "vram_no_leak(runs=5, warmup=2, tolerance=0, device='cpu', numpy=True): run the test body warmup + runs times "
     "and fail if memory grows on every measured run (a unittest.TestCase method reruns with setUp and tearDown)",
     "vram_sim(capacity='8 GiB'): the capacity of the vram_sim fixture's simulated device",
+    "vram_benchmark(device='cpu', numpy=True, torch=True): what the vram fixture measures beside pytest-benchmark's "
+    "timings (peak allocated and reserved into benchmark.extra_info); on 'cpu' NumPy arrays and torch tensors are "
+    "measured in one extra untimed call (numpy=False, torch=False leave them out)",
 )
+_BENCHMARK_IMPL = "vramkit.survive.pytest_benchmark_vram"
+_BENCHMARK_NOT_ACTIVE = ("the vram fixture puts memory beside pytest-benchmark's timings, but pytest-benchmark is not "
+                         "active here (not installed, or disabled with -p no:benchmark): pip install pytest-benchmark, "
+                         "or deselect the tests that use vram")
 
 
 def pytest_configure(config: Any) -> None:
@@ -74,3 +83,44 @@ def vram_sim(request: Any) -> str:
     from vramkit.survive.pytest_plugin import make_sim
 
     return make_sim(request)
+
+
+@pytest.fixture
+def vram(request: Any, benchmark: Any) -> Iterator[Any]:
+    """Memory beside time: wraps this test's pytest-benchmark ``benchmark`` so that the benchmarked
+    function's peak allocated and reserved bytes land in ``benchmark.extra_info`` (device 'cpu',
+    or @pytest.mark.vram_benchmark(device=...), or ``vram.device = ...`` before the call)."""
+    from vramkit.survive.pytest_benchmark_vram import make_vram
+
+    yield from make_vram(request, benchmark)
+
+
+def _benchmark_plugin_active(config: Any) -> bool:
+    return any(getattr(plugin, "__name__", None) == "pytest_benchmark.plugin"
+               for plugin in config.pluginmanager.get_plugins())
+
+
+def _uses_our_vram(item: Any) -> bool:
+    """Whether the test's fixture "vram" is this plugin's (not a conftest's of the same name)."""
+    definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}).get("vram")
+    if not definitions:
+        return False
+    return getattr(definitions[-1].func, "__module__", None) == __name__
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: Any) -> None:
+    """Without pytest-benchmark a test using vram fails at setup with a message that says so,
+    whichever of ``benchmark`` and ``vram`` it names first (pytest would otherwise say only that
+    a fixture 'benchmark' is not found, for a test that may not name it)."""
+    if _uses_our_vram(item) and not _benchmark_plugin_active(item.config):
+        pytest.fail(_BENCHMARK_NOT_ACTIVE, pytrace=False)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Memory beside time, after pytest-benchmark's table. The module is imported only by a test
+    that used the vram fixture, so a session without one imports nothing here."""
+    module = sys.modules.get(_BENCHMARK_IMPL)
+    if module is not None:
+        module.terminal_summary(terminalreporter)
