@@ -10,6 +10,7 @@ from typing import Any
 
 from .. import _C
 from .._core.devices import DeviceLike
+from .._core.text_html import TextAsHtml
 
 
 def _format(n: float) -> str:
@@ -21,7 +22,7 @@ def _format(n: float) -> str:
 
 
 @dataclass
-class CacheReport:
+class CacheReport(TextAsHtml):
     """What a clear_cache() block did. Filled in on entry (…_before) and on exit (…_after)."""
 
     device: str

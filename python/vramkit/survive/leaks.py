@@ -46,6 +46,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._core.text_html import TextAsHtml
+
 if TYPE_CHECKING:
     from ..torch.meters import _MeterMode
 __all__ = ["GraphHolder", "LeakReport", "LeakWatch", "LeakWatchWarning", "watch_leaks"]
@@ -96,7 +98,7 @@ class GraphHolder:
 
 
 @dataclass
-class LeakReport:
+class LeakReport(TextAsHtml):
     device: str
     steps: int
     warmup: int
@@ -176,7 +178,7 @@ class _SiteGraphs:
     contains: set[Any] = field(default_factory=set)
 
 
-class LeakWatch:
+class LeakWatch(TextAsHtml):
     """See the module docstring; made by ``watch_leaks``. ``steps`` counts the steps recorded,
     ``step_source`` says what marked them, ``graph_nodes_walked`` the graph nodes each measured
     step had to walk (the watch's own cost)."""

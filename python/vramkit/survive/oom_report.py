@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._core.text_html import TextAsHtml
 from ..report.sites import BEFORE_HISTORY, format_bytes, live_at_oom, live_sites
 
 __all__ = ["OomDumpWarning", "PostMortem", "build", "model_state_bytes", "remedies", "write_files"]
@@ -31,8 +32,9 @@ class OomDumpWarning(UserWarning):
 
 
 @dataclass
-class PostMortem:
-    """What vramkit knows about one out-of-memory."""
+class PostMortem(TextAsHtml):
+    """What vramkit knows about one out-of-memory (``str()`` is the screen; in a notebook, its
+    HTML form)."""
 
     device: str  # "cuda:0", "cpu", "sim:1"
     allocator: str  # "vramkit" (vramkit's pools) or "torch" (PyTorch's CUDA caching allocator)
@@ -52,6 +54,9 @@ class PostMortem:
     files: dict[str, str] = field(default_factory=dict)  # "snapshot", "timeline" -> path
     problems: list[str] = field(default_factory=list)  # what could not be done, and why
     when: float = field(default_factory=time.time)
+
+    def __str__(self) -> str:
+        return self.text()
 
     def text(self) -> str:
         """The screen."""

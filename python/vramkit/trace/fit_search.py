@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from .._core.text_html import TextAsHtml
 from .capture_step import capture
 from .derive_batch import MIN_BATCH_SIZE, BatchModel, first_difference, mismatch
 from .file_format import Trace
@@ -63,7 +64,7 @@ class Suggestion:
 
 
 @dataclass
-class FitReport:
+class FitReport(TextAsHtml):
     """What ``fit`` found: the largest batch size that fits, the target's prediction and the
     changes that make it fit, the probes of the step as written and their traces
     (``trace(batch_size)``), and how many captures it took (the other traces were derived)."""

@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import _C
+from .._core.text_html import TextAsHtml
 from .file_format import ALLOC, CATEGORIES, FREE, PHASES, STEP, Trace
 from .gpu_profiles import NO_OVERHEADS, GiB, GpuOverheads, MiB, gpu_profile
 
@@ -93,7 +94,7 @@ def format_size(n: float) -> str:
 
 
 @dataclass
-class Prediction:
+class Prediction(TextAsHtml):
     """What a replay found. Sizes in bytes; ``allocated`` counts blocks as PyTorch's
     ``memory_allocated`` does (rounded up to 512 B)."""
 

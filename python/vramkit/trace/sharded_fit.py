@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._core.text_html import TextAsHtml
 from .capture_step import capture
 from .fit_search import middle_half
 from .file_format import CATEGORIES, Trace
@@ -35,7 +36,7 @@ __all__ = ["RankReport", "WorldSizeAnswer", "predict_ranks", "smallest_world_siz
 
 
 @dataclass
-class RankReport:
+class RankReport(TextAsHtml):
     """Per-rank predictions of one sharded step at one per-rank batch size."""
 
     world_size: int
