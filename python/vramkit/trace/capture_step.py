@@ -271,13 +271,14 @@ class _CaptureMode(TorchDispatchMode):
             self._still_running()
         if rec.collectives is not None and func.namespace in COLLECTIVE_NAMESPACES:
             note_collective(func, args, kwargs, rec.collectives)
-        args_in = tensors_in((args, kwargs))
+        # (on meta the arguments' tensors are needed before the op, and found once for both uses)
+        args_in = tensors_in((args, kwargs)) if self.values is not None else None
         out = func(*args, **kwargs) if self.values is None else self.values.run(func, args, kwargs, args_in)
         outs = _plain(tensors_in(out))
         fresh = [(t, st) for t in outs if (st := _storage_of(t)) is not None and rec.counts(st)]
         if not fresh:
             return out
-        ins = _plain(args_in)
+        ins = _plain(tensors_in((args, kwargs)) if args_in is None else args_in)
         for t in ins:
             st = _storage_of(t)
             if st is not None and rec.id_of(st) is None and int(st.nbytes()) and rec.counts(st):
