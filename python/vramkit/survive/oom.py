@@ -27,11 +27,13 @@ unwritable directory is a warning, and the out-of-memory goes on as it would hav
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any, TextIO
 
 from .. import _C
@@ -84,18 +86,14 @@ class OomWatch:
             self._optimizers.add(optimizer)
         return self
 
-    def paused(self) -> Any:
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
         """A context in which out-of-memories are expected (a batch-size search): not reported."""
-        watch = self
-
-        class _Paused:
-            def __enter__(self) -> None:
-                watch._paused += 1
-
-            def __exit__(self, *exc: Any) -> None:
-                watch._paused -= 1
-
-        return _Paused()
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
 
     def remove(self) -> None:
         """Disarm: no more post-mortems; the histories this watch turned on are turned off."""
