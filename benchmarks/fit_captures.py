@@ -45,7 +45,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from vramkit import trace as vt
-    from vramkit.trace.derive_batch import first_difference
+    from vramkit.trace.fitting.derive_batch import first_difference
 
     build = _builder()
     capture_passes, fit_passes = (2, 1) if args.quick else (5, 3)

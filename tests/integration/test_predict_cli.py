@@ -220,7 +220,7 @@ def test_fit_sharded_answers_the_fewest_gpus_and_what_to_change(tmp_path):
     The figures are the library's (smallest_world_size and fit, checked against exhaustive
     searches and the scripts written with each strategy in the unit tests)."""
     from vramkit import trace as vt
-    from vramkit.trace.sharded_fit import smallest_world_size
+    from vramkit.trace.fitting.sharded_fit import smallest_world_size
 
     sys.path.insert(0, str(TESTS / "unit"))
     import sharded_models
@@ -231,19 +231,19 @@ def test_fit_sharded_answers_the_fewest_gpus_and_what_to_change(tmp_path):
     def build(strategy):
         return lambda bs: sharded_models.builder("gpt", strategy, batch=bs)()
 
-    peaks = {n: vt.predict_ranks(build("fsdp2"), 4, world_size=n, capacity="1GiB", overheads=vt.NO_OVERHEADS,
+    peaks = {n: vt.predict_ranks(build("fsdp2"), 4, world_size=n, gpu="1GiB", overheads=vt.NO_OVERHEADS,
                                  ranks=[0]).predictions[0].peak_reserved for n in (2, 4)}
     assert peaks[4] < peaks[2]
     cap = str(peaks[4])
     proc = vramkit_cli("fit", "sharded.py", "--world-size", "2", "--device-memory", cap, "--batch-size", "4",
                        "--no-search", "--max-world-size", "16", *no_overheads, cwd=tmp_path)
     assert proc.returncode == 3, proc.stdout + proc.stderr
-    answer = smallest_world_size(build("fsdp2"), 4, capacity=int(cap), limit=16, overheads=vt.NO_OVERHEADS,
-                                 known=vt.predict_ranks(build("fsdp2"), 4, world_size=2, capacity=int(cap),
+    answer = smallest_world_size(build("fsdp2"), 4, gpu=int(cap), limit=16, overheads=vt.NO_OVERHEADS,
+                                 known=vt.predict_ranks(build("fsdp2"), 4, world_size=2, gpu=int(cap),
                                                         overheads=vt.NO_OVERHEADS))
     assert answer.world_size == 4 and answer.line() in proc.stdout, proc.stdout
 
-    ddp = vt.predict_ranks(build("ddp"), 4, world_size=2, capacity="1GiB", overheads=vt.NO_OVERHEADS, ranks=[0])
+    ddp = vt.predict_ranks(build("ddp"), 4, world_size=2, gpu="1GiB", overheads=vt.NO_OVERHEADS, ranks=[0])
     cap = str(ddp.predictions[0].peak_reserved - 1)
     proc = vramkit_cli("fit", "sharded.py", "--entry", "ddp_step", "--world-size", "2", "--device-memory", cap,
                        "--batch-size", "4", "--no-search", *no_overheads, cwd=tmp_path)

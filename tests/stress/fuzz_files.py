@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "unit"))  # torch_snapsho
 
 import vramkit  # noqa: E402
 from vramkit import trace as vt  # noqa: E402
-from vramkit.trace.file_format import MAGIC  # noqa: E402
+from vramkit.trace.formats.file_format import MAGIC  # noqa: E402
 
 import torch_snapshots as ts  # noqa: E402
 
@@ -266,7 +266,7 @@ def check_file(path: str, html: str, run_cli: bool) -> str:
     else:
         outcome = "loaded"
         try:
-            from vramkit.trace.as_snapshot import prediction_snapshot
+            from vramkit.trace.replaying.as_snapshot import prediction_snapshot
             from vramkit.report.timeline import write_html
 
             pred = vt.replay(t, "1GiB", overheads=vt.NO_OVERHEADS, curves=True)

@@ -276,7 +276,8 @@ def test_fit_suggests_expandable_segments_for_fragmentation():
     a 30 MiB request, then 80 MiB are asked for. Under the classic policy the 70 MiB left in
     the split segment cannot serve it (180 MiB reserved on a 150 MiB device); with expandable
     segments the free 70 MiB grow by one 20 MiB page."""
-    from vramkit.trace.fit_search import Probe, _suggest
+    from vramkit.trace.fitting.probes import Probe
+    from vramkit.trace.fitting.suggestions import suggest
 
     kind = [0, 1, 0, 0]
     ids = [0, 0, 1, 2]
@@ -291,7 +292,7 @@ def test_fit_suggests_expandable_segments_for_fragmentation():
     assert not classic.fits and classic.oom["allocated"] == 30 * MiB
     expandable = probe(8, "expandable_segments:True").prediction
     assert expandable.fits and expandable.peak_reserved == 120 * MiB
-    suggestions = _suggest(probe, 8, classic, None)
+    suggestions = suggest(probe, 8, classic, None)
     assert [s.change for s in suggestions] == ["PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"]
     assert "CUDA IPC" in suggestions[0].cost
 

@@ -3,7 +3,9 @@ package"): every module belongs to a unit (a subpackage or a top-level module) o
 unit imports only units on lower layers and its own modules, never its own package's
 ``__init__`` from inside, and the module graph has no cycle. Every import counts, the ones
 inside functions and ``if TYPE_CHECKING:`` blocks too, since each is a dependency a reader
-must follow. Also: no source file of the repository is over 600 lines.
+must follow. ``vramkit.trace`` has a second table, for its stages, checked the same way.
+Also: no source file of the repository is over 600 lines, and no package has a submodule
+named like a name it exports (importing the submodule would replace the name).
 
 The checker is also run on small packages written to tmp_path, so that it is shown to catch a
 cycle, an upward import, a sideways import, an import of the package's own ``__init__`` and a
@@ -25,10 +27,10 @@ ARCHITECTURE = os.path.join(REPO, "docs", "architecture.md")
 MAX_LINES = 600
 
 
-def read_layers(text: str) -> dict[str, int]:
-    """{unit: layer} from the ``layer N  unit unit ...`` lines of the block that follows the
-    ``<!-- layers -->`` marker (a parenthesis after a unit is a comment)."""
-    start = text.index("<!-- layers -->")
+def read_layers(text: str, marker: str = "<!-- layers -->") -> dict[str, int]:
+    """{unit: layer} from the ``layer N  unit unit ...`` lines of the block that follows
+    `marker` (a parenthesis after a unit is a comment)."""
+    start = text.index(marker)
     block = text[start:].split("```", 2)[1]
     layers: dict[str, int] = {}
     for line in block.splitlines():
@@ -43,7 +45,7 @@ def read_layers(text: str) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class Module:
-    name: str      # dotted, e.g. vramkit.trace.replay_sim
+    name: str      # dotted, e.g. vramkit.trace.replaying.replay_sim
     path: str
     is_package: bool
 
@@ -182,12 +184,69 @@ def test_vramkit_keeps_the_layer_rule_of_the_architecture_doc():
     assert not problems, "\n".join(problems)
 
 
+TRACE_MARKER = "<!-- layers vramkit.trace -->"
+
+
+def test_the_stages_of_trace_keep_their_own_layer_table():
+    """Inside the trace unit, its stages (formats, target, sharding, capturing, replaying,
+    fitting) import only stages below them, so that following the GPU argument from the
+    command to the replay goes down and never comes back."""
+    with open(ARCHITECTURE, encoding="utf-8") as f:
+        layers = read_layers(f.read(), TRACE_MARKER)
+    assert set(layers) >= {"vramkit.trace", "vramkit.trace.formats", "vramkit.trace.target",
+                           "vramkit.trace.replaying", "vramkit.trace.fitting"}, layers
+    problems = check(os.path.join(PACKAGE_DIR, "trace"), "vramkit.trace", layers)
+    assert not problems, "\n".join(problems)
+
+
 def test_every_unit_of_the_table_exists():
     with open(ARCHITECTURE, encoding="utf-8") as f:
-        layers = read_layers(f.read())
+        text = f.read()
     modules = walk_package(PACKAGE_DIR, "vramkit")
-    missing = [u for u in layers if u not in modules and u != "vramkit._C"]
-    assert not missing, f"units in docs/architecture.md that the package lacks: {missing}"
+    for layers in (read_layers(text), read_layers(text, TRACE_MARKER)):
+        missing = [u for u in layers if u not in modules and u != "vramkit._C"]
+        assert not missing, f"units in docs/architecture.md that the package lacks: {missing}"
+
+
+def exported_names(path: str) -> set[str]:
+    """The names a package's ``__init__`` makes public: ``__all__``'s string literals, the
+    keys of a literal dict whose names it loads lazily (``_TORCH_NAMES``) and its functions;
+    not the submodules it exports as themselves (``from . import sim``)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    names: set[str] = set()
+    submodules = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                  and node.level == 1 and node.module is None for a in node.names}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            if isinstance(node.value, (ast.List, ast.Tuple, ast.Set)):
+                names |= {e.value for e in node.value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+            elif isinstance(node.value, ast.Dict):
+                names |= {k.value for k in node.value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+        elif isinstance(node, ast.FunctionDef):
+            names.add(node.name)
+    return {n for n in names if not n.startswith("_")} - submodules
+
+
+def shadowing_submodules(root_dir: str, root: str) -> list[str]:
+    """Submodules named like a name their package exports, dotted."""
+    modules = walk_package(root_dir, root)
+    found = []
+    for mod in modules.values():
+        if mod.is_package:
+            children = {m.rpartition(".")[2] for m in modules if m.rpartition(".")[0] == mod.name}
+            found += [f"{mod.name}.{name}" for name in sorted(children & exported_names(mod.path))]
+    return found
+
+
+def test_no_submodule_is_named_like_a_name_its_package_exports():
+    """``import vramkit.trace.capture`` would set ``vramkit.trace.capture`` to the module and
+    replace the function of that name, so no package may have a child module named like a name
+    it exports."""
+    clashes = shadowing_submodules(PACKAGE_DIR, "vramkit")
+    assert not clashes, f"submodules named like a name their package exports: {clashes}"
+    trace_names = exported_names(os.path.join(PACKAGE_DIR, "trace", "__init__.py"))
+    assert {"capture", "fit", "replay", "load", "predict_ranks"} <= trace_names  # (the parser sees them)
 
 
 SOURCE_DIRS = ("python", "csrc", "tests", "benchmarks", "examples")
@@ -252,3 +311,11 @@ def test_the_checker_reports_each_kind_of_breach(tmp_path, files, expected):
     root = write_package(tmp_path, {"__init__.py": "", **files})
     problems = check(root, "pkg", TABLE)
     assert any(expected in p for p in problems), problems
+
+
+def test_the_shadowing_check_finds_a_submodule_named_like_an_export(tmp_path):
+    root = write_package(tmp_path, {
+        "__init__.py": "from . import kept\n__all__ = ['run', 'kept']\n_LAZY = {'load': 'io'}\n",
+        "run.py": "", "load/__init__.py": "", "kept.py": "", "other.py": "",
+    })
+    assert shadowing_submodules(root, "pkg") == ["pkg.load", "pkg.run"]

@@ -1,4 +1,4 @@
-"""CUDA's dispatch choices on meta (vramkit.trace.cuda_choices, sdpa_rules): each choice is
+"""CUDA's dispatch choices on meta (vramkit.trace.capturing.cuda_choices, sdpa_rules): each choice is
 checked against a CPU run that makes the same choice itself, event for event, and the
 attention rules against cases read from sdp_utils.cpp."""
 
@@ -13,8 +13,8 @@ from torch import nn  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import vramkit.trace as vt  # noqa: E402
-from vramkit.trace.cuda_choices import CudaChoices  # noqa: E402
-from vramkit.trace.sdpa_rules import cuda_backend  # noqa: E402
+from vramkit.trace.capturing.cuda_choices import CudaChoices  # noqa: E402
+from vramkit.trace.capturing.sdpa_rules import cuda_backend  # noqa: E402
 
 SAME = ("kind", "id", "size", "alloc_dtype", "alloc_op", "alloc_module")
 

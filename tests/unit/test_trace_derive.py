@@ -1,4 +1,4 @@
-"""vramkit.trace.derive_batch and fit's use of it: traces derived from two captures equal the
+"""vramkit.trace.fitting.derive_batch and fit's use of it: traces derived from two captures equal the
 captures at other batch sizes, column for column; steps whose allocations change with the batch
 size in any other way are refused and fit captures them instead, with the same answers as a fit
 that captures every probe; and a fit that derives captures a bounded number of times."""
@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-from vramkit.trace import fit_search  # noqa: E402
-from vramkit.trace.derive_batch import BatchModel, first_difference, mismatch  # noqa: E402
+from vramkit.trace.fitting import fit_search  # noqa: E402
+from vramkit.trace.fitting.derive_batch import BatchModel, first_difference, mismatch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trace_models import GPTConfig, gpt_builder, resnet_builder  # noqa: E402

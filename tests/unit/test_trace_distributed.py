@@ -39,7 +39,7 @@ dist = pytest.importorskip("torch.distributed")
 import sharded_models as sm  # noqa: E402
 import vramkit.trace as vt  # noqa: E402
 from peaks import total_peak  # noqa: E402
-from vramkit.trace.fake_dist import ShardedCaptureError, collective_bytes  # noqa: E402
+from vramkit.trace.sharding.fake_dist import ShardedCaptureError, collective_bytes  # noqa: E402
 
 CONFIGS = [(m, s) for m in ("gpt", "cnn") for s in sm.STRATEGIES]
 MiB = 1 << 20

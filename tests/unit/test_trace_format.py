@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from vramkit import trace as vt
-from vramkit.trace.file_format import FORMAT_VERSION, MAGIC
+from vramkit.trace.formats.file_format import FORMAT_VERSION, MAGIC
 
 
 def small_trace() -> vt.Trace:

@@ -1,4 +1,4 @@
-"""vramkit.trace.snapshot_import.from_torch_snapshot: PyTorch memory snapshots to Traces.
+"""vramkit.trace.formats.snapshot_import.from_torch_snapshot: PyTorch memory snapshots to Traces.
 
 Every snapshot here is written by hand (tests/unit/torch_snapshots.py lays out the format) the
 way PyTorch's CUDACachingAllocator.cpp would have recorded it: alloc/free entries carry the
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from vramkit import _C
-from vramkit.trace.file_format import ALLOC, CATEGORIES, FREE, Trace, TraceFormatError
-from vramkit.trace.snapshot_import import from_torch_snapshot
+from vramkit.trace.formats.file_format import ALLOC, CATEGORIES, FREE, Trace, TraceFormatError
+from vramkit.trace.formats.snapshot_import import from_torch_snapshot
 
 from torch_snapshots import (MiB, alloc, frame, free, free_completed, free_requested, live, oom, pending, segment,
                              segment_alloc, segment_free, snapshot, snapshot_entry, write_pickle, block)

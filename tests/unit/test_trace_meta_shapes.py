@@ -9,8 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import vramkit.trace as vt  # noqa: E402
-from vramkit.trace import meta_shapes  # noqa: E402
-from vramkit.trace.meta_shapes import ShapeCache  # noqa: E402
+from vramkit.trace.capturing import meta_shapes  # noqa: E402
+from vramkit.trace.capturing.meta_shapes import ShapeCache  # noqa: E402
 
 COLUMNS = ("kind", "id", "size", "alloc_dtype", "alloc_category", "alloc_op", "alloc_module")
 
@@ -41,7 +41,7 @@ def gpt_builder(batch: int = 3):
 def test_a_capture_with_the_cache_equals_one_without(monkeypatch, autocast):
     fresh = ShapeCache()
     monkeypatch.setattr(meta_shapes, "SHAPES", fresh)
-    monkeypatch.setattr("vramkit.trace.meta_values.SHAPES", fresh)
+    monkeypatch.setattr("vramkit.trace.capturing.meta_values.SHAPES", fresh)
     cached = [vt.capture(gpt_builder(), device="meta", steps=2, cuda=False, autocast=autocast) for _ in range(2)]
     assert fresh.hits > fresh.misses > 0  # three identical blocks and two steps: mostly hits
     with monkeypatch.context() as m:
@@ -70,7 +70,7 @@ def test_a_hugging_face_model_with_the_cache_equals_one_without(monkeypatch):
         return step
 
     fresh = ShapeCache()
-    monkeypatch.setattr("vramkit.trace.meta_values.SHAPES", fresh)
+    monkeypatch.setattr("vramkit.trace.capturing.meta_values.SHAPES", fresh)
     cached = vt.capture(build, device="meta", steps=2)
     assert fresh.hits > 0
     _uncached(monkeypatch)

@@ -1,4 +1,4 @@
-"""Values of small meta tensors during a capture (vramkit.trace.meta_values): data-dependent
+"""Values of small meta tensors during a capture (vramkit.trace.capturing.meta_values): data-dependent
 Python on ids, positions and masks runs as on a real device; what cannot be known is refused
 with a message that says why."""
 
@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import vramkit.trace as vt  # noqa: E402
-from vramkit.trace.meta_values import DataDependentError  # noqa: E402
+from vramkit.trace.capturing.meta_values import DataDependentError  # noqa: E402
 
 COLUMNS = ("kind", "id", "size", "alloc_dtype", "alloc_op", "alloc_module")
 

@@ -220,7 +220,7 @@ def test_fit_suggests_bf16_autocast_when_it_is_enough():
 
 
 def test_fit_on_a_gpu_without_bf16_suggests_fp16_autocast():
-    from vramkit.trace.cuda_choices import CudaChoices
+    from vramkit.trace.capturing.cuda_choices import CudaChoices
 
     t4 = vt.GpuProfile("T4", 15 << 30, (7, 5))
     cfg = GPTConfig(layers=2, seq=256, dim=128)
@@ -231,7 +231,7 @@ def test_fit_on_a_gpu_without_bf16_suggests_fp16_autocast():
                     overheads=vt.NO_OVERHEADS)
     assert amp.peak_reserved < plain.peak_reserved
     cap = (plain.peak_reserved + amp.peak_reserved) // 2
-    report = vt.fit(build, cap, gpu=t4, batch_size=16, overheads=vt.NO_OVERHEADS, search=False)
+    report = vt.fit(build, vt.resolve_target(t4, capacity=cap, overheads=vt.NO_OVERHEADS), batch_size=16, search=False)
     first = report.suggestions[0]
     assert first.settings == {"autocast": "float16"}, report.table()
     assert first.prediction.peak_reserved == amp.peak_reserved

@@ -18,8 +18,8 @@ dist = pytest.importorskip("torch.distributed")
 import sharded_models as sm  # noqa: E402
 import vramkit.trace as vt  # noqa: E402
 from peaks import total_peak  # noqa: E402
-from vramkit.trace.sharded_fit import predict_ranks, smallest_world_size, world_sizes  # noqa: E402
-from vramkit.trace.sharding_changes import ShardingChange  # noqa: E402
+from vramkit.trace.fitting.sharded_fit import predict_ranks, smallest_world_size, world_sizes  # noqa: E402
+from vramkit.trace.sharding.sharding_changes import ShardingChange  # noqa: E402
 
 if not dist.is_available():
     pytest.skip("torch.distributed is not available in this torch", allow_module_level=True)
@@ -47,7 +47,7 @@ def by_hand_fsdp2(model_name: str, batch: int = 4):
 
 
 def model_state(trace: vt.Trace) -> dict[str, int]:
-    from vramkit.trace.sharded_fit import _model_state
+    from vramkit.trace.fitting.sharded_fit import _model_state
 
     return _model_state(trace)
 
@@ -126,14 +126,14 @@ def test_smallest_world_size_is_what_an_exhaustive_search_finds(strategy):
     limit = 16
     sizes = world_sizes(limit)
     assert sizes == [1, 2, 4, 8, 16]
-    peaks = {n: predict_ranks(build, 4, world_size=n, capacity="1GiB", overheads=vt.NO_OVERHEADS,
+    peaks = {n: predict_ranks(build, 4, world_size=n, gpu="1GiB", overheads=vt.NO_OVERHEADS,
                               ranks=[0, n - 1]).predictions for n in sizes}
     worst = {n: max(p.peak_reserved for p in preds.values()) for n, preds in peaks.items()}
     for cap in sorted(set(worst.values())) + [min(worst.values()) - 1]:
         expected = min([n for n in sizes if worst[n] <= cap] or [0])
         for start in (2, 16):
-            known = predict_ranks(build, 4, world_size=start, capacity=cap, overheads=vt.NO_OVERHEADS)
-            answer = smallest_world_size(build, 4, capacity=cap, known=known, limit=limit, overheads=vt.NO_OVERHEADS)
+            known = predict_ranks(build, 4, world_size=start, gpu=cap, overheads=vt.NO_OVERHEADS)
+            answer = smallest_world_size(build, 4, gpu=cap, known=known, limit=limit, overheads=vt.NO_OVERHEADS)
             if strategy == "ddp":  # replicated: every world size holds the same
                 assert len(set(worst.values())) == 1
                 assert answer.replicated and answer.world_size == (1 if worst[start] <= cap else 0)
@@ -149,8 +149,8 @@ def test_the_optimizers_foreach_ops_on_shards_change_nothing(monkeypatch):
     DTensor's own dispatch of them holds, event for event; and the shortcut is taken."""
     import numpy as np
 
-    from vramkit.trace import meta_values
-    from vramkit.trace.dtensor_local import NOT_HANDLED, foreach_on_shards
+    from vramkit.trace.capturing import meta_values
+    from vramkit.trace.sharding.dtensor_local import NOT_HANDLED, foreach_on_shards
 
     taken = []
 
@@ -171,7 +171,7 @@ def test_the_optimizers_foreach_ops_on_shards_change_nothing(monkeypatch):
 
 
 def test_long_captures_say_how_far_they_are(monkeypatch):
-    from vramkit.trace import capture_step
+    from vramkit.trace.capturing import capture_step
 
     monkeypatch.setattr(capture_step, "PROGRESS_SECONDS", 0.0)
     monkeypatch.setattr(capture_step, "OPS_BETWEEN_CLOCK_READS", 1)
@@ -201,7 +201,7 @@ def test_tensors_in_finds_what_tree_flatten_finds_and_holds_nothing():
     import weakref
 
     from torch.utils._pytree import tree_flatten
-    from vramkit.trace.meta_values import tensors_in
+    from vramkit.trace.capturing.meta_values import tensors_in
 
     a, b, c, d = (torch.ones(i + 1) for i in range(4))
     nested = ((a, [b, {"x": c, "y": (None, 3, d)}], torch.float32), {"out": [a]})
@@ -224,7 +224,7 @@ def test_tensors_in_finds_what_tree_flatten_finds_and_holds_nothing():
     ("zero", ShardingChange(param_dtype=torch.bfloat16), "changes the step's fully_shard calls"),
 ])
 def test_a_sharding_change_the_script_does_not_use_is_refused(strategy, change, message):
-    from vramkit.trace.fake_dist import ShardedCaptureError
+    from vramkit.trace.sharding.fake_dist import ShardedCaptureError
 
     with pytest.raises(ShardedCaptureError, match=message):
         capture(sm.builder("gpt", strategy), sharding=change)
@@ -237,7 +237,7 @@ def test_a_step_waiting_for_another_ranks_key_is_cut_off_with_the_reason(monkeyp
     import datetime
     import time
 
-    from vramkit.trace import fake_dist
+    from vramkit.trace.sharding import fake_dist
 
     monkeypatch.setattr(fake_dist, "STORE_TIMEOUT", datetime.timedelta(seconds=1))
 
@@ -303,7 +303,7 @@ def test_zero_imbalance_names_the_parameter_whose_state_a_rank_holds():
 
         return step
 
-    report = predict_ranks(build, 2, world_size=2, capacity="1GiB", overheads=vt.NO_OVERHEADS)
+    report = predict_ranks(build, 2, world_size=2, gpu="1GiB", overheads=vt.NO_OVERHEADS)
     assert len(report.predictions) == 2  # the ranks' optimizer states differ: both captured
     words = report.imbalance()
     state = 2 * vocab * dim * 4
@@ -317,7 +317,7 @@ def test_a_script_that_needs_another_ranks_objects_is_named_at_its_line():
     of an empty buffer. all_gather_object needs every rank's object: refused on every rank."""
     import inspect
 
-    from vramkit.trace.fake_dist import ShardedCaptureError
+    from vramkit.trace.sharding.fake_dist import ShardedCaptureError
 
     def build(batch, gather=False):
         objs = [{"hidden": 48}] if dist.get_rank() == 0 else [None]
@@ -370,7 +370,7 @@ def test_cpu_offload_moves_exactly_the_model_state_to_the_host(world_size):
     gradients are freed by zero_grad), plus the host-side step counters both have."""
     import numpy as np
 
-    from vramkit.trace.sharding_changes import host_bytes
+    from vramkit.trace.sharding.sharding_changes import host_bytes
 
     rank = world_size - 1
     off = capture(lambda: offloading_gpt(4), world_size, rank)
@@ -407,7 +407,7 @@ def test_cpu_offload_copies_each_shard_to_the_gpu_before_its_all_gather():
 
 
 def test_fit_suggests_cpu_offload_with_the_host_memory_it_takes():
-    from vramkit.trace.sharding_changes import host_bytes
+    from vramkit.trace.sharding.sharding_changes import host_bytes
 
     off = capture(lambda: offloading_gpt(4))
     on = capture(lambda: offloading_gpt(4, offload=False))
@@ -438,18 +438,18 @@ def test_even_shards_capture_rank_0_only_and_every_rank_is_the_same():
     rank 0 is captured, which is right only if rank 1's capture is the same event for event
     (checked here). On four ranks the head's 10 rows do not divide: the last rank is captured too."""
     build = lambda bs: sm.builder("cnn", "fsdp2", batch=bs)()  # noqa: E731
-    two = predict_ranks(build, 4, world_size=2, capacity="1GiB", overheads=vt.NO_OVERHEADS)
+    two = predict_ranks(build, 4, world_size=2, gpu="1GiB", overheads=vt.NO_OVERHEADS)
     assert sorted(two.predictions) == [0], two.note
     assert "divides evenly among the 2 ranks" in two.note
     assert two.traces[0].meta["strategy"]["uneven_shards"] == 0
-    one = predict_ranks(build, 4, world_size=2, capacity="1GiB", overheads=vt.NO_OVERHEADS, ranks=[1])
+    one = predict_ranks(build, 4, world_size=2, gpu="1GiB", overheads=vt.NO_OVERHEADS, ranks=[1])
     _assert_same_events(two.traces[0], one.traces[1])
-    four = predict_ranks(build, 4, world_size=4, capacity="1GiB", overheads=vt.NO_OVERHEADS)
+    four = predict_ranks(build, 4, world_size=4, gpu="1GiB", overheads=vt.NO_OVERHEADS)
     assert {0, 3} <= set(four.predictions), four.note
     assert four.traces[0].meta["strategy"]["uneven_shards"] == 2  # the head's weight and bias
     # DDP replicates: nothing is sharded, one capture answers for every rank.
     ddp_build = lambda bs: sm.builder("gpt", "ddp", batch=bs)()  # noqa: E731
-    ddp = predict_ranks(ddp_build, 4, world_size=4, capacity="1GiB", overheads=vt.NO_OVERHEADS)
+    ddp = predict_ranks(ddp_build, 4, world_size=4, gpu="1GiB", overheads=vt.NO_OVERHEADS)
     assert sorted(ddp.predictions) == [0]
-    last = predict_ranks(ddp_build, 4, world_size=4, capacity="1GiB", overheads=vt.NO_OVERHEADS, ranks=[3])
+    last = predict_ranks(ddp_build, 4, world_size=4, gpu="1GiB", overheads=vt.NO_OVERHEADS, ranks=[3])
     _assert_same_events(ddp.traces[0], last.traces[3])

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from vramkit import trace as vt
-from vramkit.trace.file_format import MAGIC
-from vramkit.trace.snapshot_import import from_torch_snapshot
+from vramkit.trace.formats.file_format import MAGIC
+from vramkit.trace.formats.snapshot_import import from_torch_snapshot
 
 from torch_snapshots import MiB, alloc, frame, free, live, segment, snapshot, write_pickle, block
 

@@ -24,24 +24,18 @@ import os
 import runpy
 import sys
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+from ..trace.formats.file_format import MAGIC, describe_value
 from .common import _non_negative_int, _positive_int
-from ..trace.file_format import MAGIC, describe_value
+
+if TYPE_CHECKING:
+    from ..trace.target.gpu_profiles import Target
 
 __all__ = ["add_commands", "cmd_fit", "cmd_replay"]
 
 ENTRY = "vramkit_step"
 FITS, DOES_NOT_FIT, BAD_INPUT, FAILED = 0, 3, 2, 1
-
-
-def _size(text: str) -> int:
-    from ..trace.replay_sim import parse_size
-
-    try:
-        return parse_size(text, "device memory")
-    except (TypeError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 _MAX_MIB = 1 << 30  # 1 PiB: more than any GPU has, far below where sizes stop being exact
@@ -57,20 +51,11 @@ def _mib(text: str) -> int:
     return int(value * (1 << 20))
 
 
-def _gpu(text: str) -> Any:
-    from ..trace.gpu_profiles import gpu_profile
-
-    try:
-        return gpu_profile(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gpu", type=_gpu, default=None, metavar="NAME",
+    p.add_argument("--gpu", default=None, metavar="NAME",
                    help="a GPU profile: H100-80GB, H200-141GB, A100-80GB, A100-40GB, L4, RTX-4090, or 'current' (this machine's "
                         "GPU): its memory, CUDA context, cuBLAS workspaces and architecture (attention backend, bf16)")
-    p.add_argument("--device-memory", default=None, type=_size, metavar="SIZE",
+    p.add_argument("--device-memory", dest="capacity", default=None, metavar="SIZE",
                    help="the GPU's memory, e.g. 24GiB, 40GiB, 80GiB (binary units); overrides --gpu's")
     p.add_argument("--alloc-conf", default=None, metavar="OPTIONS",
                    help="allocator options as in PYTORCH_CUDA_ALLOC_CONF, e.g. max_split_size_mb:128")
@@ -125,36 +110,20 @@ def add_commands(commands: Any) -> None:
                         help="which device's trace in a snapshot with several (default: the only one)")
 
 
-def _capacity(ns: argparse.Namespace, command: str) -> bool:
-    """Set ns.device_memory from --gpu when only the profile was given; False (and a message)
-    when neither was."""
-    if ns.device_memory is None:
-        if ns.gpu is None:
-            _error(command, "say which GPU: --gpu NAME (H100-80GB, H200-141GB, A100-80GB, A100-40GB, L4, RTX-4090, current) or "
-                            "--device-memory SIZE (e.g. 80GiB)")
-            return False
-        ns.device_memory = ns.gpu.total_memory
-    return True
+def _target(ns: argparse.Namespace, command: str) -> Target | None:
+    """The GPU the flags name, resolved once (``resolve_target``, worded with the flags); None
+    (and a message) when they name none."""
+    from ..trace.target.gpu_profiles import CLI, TargetError, resolve_target
 
-
-def _overheads(ns: argparse.Namespace, recorded_on_gpu: bool) -> Any:
-    from ..trace.replay_sim import GpuOverheads
-
-    base = ns.gpu.overheads() if ns.gpu is not None else GpuOverheads()
-    if recorded_on_gpu:  # a GPU recording holds its workspaces already
-        base = GpuOverheads(cuda_context=base.cuda_context, cublas_workspace=0, cudnn_workspace=0, nccl=base.nccl)
-    kw = {}
-    if ns.cuda_context_mib is not None:
-        kw["cuda_context"] = ns.cuda_context_mib
-    if ns.cublas_workspace_mib is not None:
-        kw["cublas_workspace"] = ns.cublas_workspace_mib
-    if ns.nccl_mib is not None:
-        kw["nccl"] = ns.nccl_mib
-    elif getattr(ns, "world_size", None) is not None:
-        from ..trace.gpu_profiles import NCCL_DEFAULT
-
-        kw["nccl"] = NCCL_DEFAULT
-    return GpuOverheads(**{**base.__dict__, **kw})
+    items = {name: value for name, value in (("cuda_context", ns.cuda_context_mib),
+                                             ("cublas_workspace", ns.cublas_workspace_mib), ("nccl", ns.nccl_mib))
+             if value is not None}
+    try:
+        return resolve_target(ns.gpu, capacity=ns.capacity, overheads=items, alloc_conf=ns.alloc_conf,
+                              world_size=getattr(ns, "world_size", None), spelling=CLI)
+    except TargetError as exc:
+        _error(command, str(exc))
+        return None
 
 
 def _error(command: str, message: str) -> None:
@@ -213,7 +182,7 @@ def _output_problem(path: str, option: str) -> str | None:
 
 
 def _write_html(command: str, path: str, trace: Any, prediction: Any, title: str) -> str | None:
-    from ..trace.as_snapshot import prediction_snapshot
+    from ..trace.replaying.as_snapshot import prediction_snapshot
     from ..report.timeline import write_html
 
     try:
@@ -270,7 +239,8 @@ def cmd_fit(ns: argparse.Namespace) -> int:
     if ns.no_search and ns.batch_size is None:
         _error("fit", "--no-search needs --batch-size")
         return BAD_INPUT
-    if not _capacity(ns, "fit"):
+    target = _target(ns, "fit")
+    if target is None:
         return BAD_INPUT
     if ns.rank is not None and (ns.world_size is None or ns.rank >= ns.world_size):
         _error("fit", f"--rank {ns.rank} needs --world-size N with N > {ns.rank} (ranks are 0 to N-1)")
@@ -279,35 +249,28 @@ def cmd_fit(ns: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         print(f"  {line}", file=sys.stderr, flush=True)
 
-    on = f"{ns.gpu.name} ({vt.format_size(ns.device_memory)})" if ns.gpu is not None else vt.format_size(ns.device_memory)
-    print(f"capturing {os.path.basename(script)}:{ns.entry} on meta and replaying on {on} ...", file=sys.stderr,
-          flush=True)
+    print(f"capturing {os.path.basename(script)}:{ns.entry} on meta and replaying on {target.describe()} ...",
+          file=sys.stderr, flush=True)
     start = time.perf_counter()
     ranks = None
     try:
         sharded: dict[str, Any] = {}
         if ns.world_size is not None:
             # Which ranks differ, at the batch size asked (or 1): the search then runs on the highest.
-            ranks = vt.predict_ranks(builder, ns.batch_size or 1, world_size=ns.world_size, capacity=ns.device_memory,
-                                     gpu=ns.gpu, ranks=None if ns.rank is None else [ns.rank], steps=ns.steps,
-                                     alloc_conf=ns.alloc_conf, overheads=_overheads(ns, False), progress=progress)
+            ranks = vt.predict_ranks(builder, ns.batch_size or 1, world_size=ns.world_size, gpu=target,
+                                     ranks=None if ns.rank is None else [ns.rank], steps=ns.steps, progress=progress)
             sharded = {"world_size": ns.world_size, "rank": ranks.worst_rank,
                        "captured": {ns.batch_size or 1: ranks.traces[ranks.worst_rank]}}
-        report = vt.fit(builder, ns.device_memory, gpu=ns.gpu, batch_size=ns.batch_size, max_batch_size=ns.max_batch_size,
-                        steps=ns.steps, alloc_conf=ns.alloc_conf, overheads=_overheads(ns, False),
+        report = vt.fit(builder, target, batch_size=ns.batch_size, max_batch_size=ns.max_batch_size, steps=ns.steps,
                         search=not ns.no_search, progress=progress, **sharded)
         if ranks is not None and ns.batch_size is None and report.max_batch_size and report.max_batch_size != 1:
-            ranks = vt.predict_ranks(builder, report.max_batch_size, world_size=ns.world_size,
-                                     capacity=ns.device_memory, gpu=ns.gpu, ranks=sorted(ranks.predictions),
-                                     steps=ns.steps, alloc_conf=ns.alloc_conf, overheads=_overheads(ns, False),
-                                     progress=progress)
+            ranks = vt.predict_ranks(builder, report.max_batch_size, world_size=ns.world_size, gpu=target,
+                                     ranks=sorted(ranks.predictions), steps=ns.steps, progress=progress)
         fewest = None
         if ranks is not None and ns.batch_size is not None and ns.rank is None and ns.max_world_size > 1:
-            from ..trace.sharded_fit import smallest_world_size
-
-            fewest = smallest_world_size(builder, ns.batch_size, capacity=ns.device_memory, gpu=ns.gpu, known=ranks,
-                                         limit=max(ns.max_world_size, ns.world_size), steps=ns.steps,
-                                         alloc_conf=ns.alloc_conf, overheads=_overheads(ns, False), progress=progress)
+            fewest = vt.smallest_world_size(builder, ns.batch_size, gpu=target, known=ranks,
+                                            limit=max(ns.max_world_size, ns.world_size), steps=ns.steps,
+                                            progress=progress)
     except vt.CaptureError as exc:
         if exc.__cause__ is not None:  # the step's own failure: show where, as python would
             import traceback
@@ -337,11 +300,11 @@ def cmd_fit(ns: argparse.Namespace) -> int:
             trace = report.trace(chosen)
         except KeyError:  # a size the fit did not probe (none today): capture it as the fit would
             trace = vt.capture(builder, chosen, device="meta", steps=ns.steps, meta={"batch_size": chosen},
-                               cuda=ns.gpu.cuda_choices() if ns.gpu is not None else True,
+                               cuda=target.cuda_choices(),
                                **({"world_size": ns.world_size, "rank": ranks.worst_rank} if ranks is not None else {}))
-        pred = vt.replay(trace, ns.device_memory, ns.alloc_conf, overheads=_overheads(ns, False), curves=True)
+        pred = vt.replay(trace, target, curves=True)
         page = _write_html("fit", ns.html, trace, pred, f"vramkit fit: {os.path.basename(script)}, batch size "
-                                                         f"{chosen}, {vt.format_size(ns.device_memory)}")
+                                                         f"{chosen}, {target.describe()}")
         if page is None:
             return BAD_INPUT
         print()
@@ -358,10 +321,9 @@ def cmd_fit(ns: argparse.Namespace) -> int:
 
 def cmd_replay(ns: argparse.Namespace) -> int:
     from .. import trace as vt
-    from ..trace.replay_sim import recorded_on_gpu
-
     problem = _output_problem(ns.html, "--html")
-    if not _capacity(ns, "replay"):
+    target = _target(ns, "replay")
+    if target is None:
         return BAD_INPUT
     if problem:
         _error("replay", problem)
@@ -390,9 +352,8 @@ def cmd_replay(ns: argparse.Namespace) -> int:
         _error("replay", str(exc))
         return BAD_INPUT
     recorded = trace.meta.get("source") == "torch-snapshot"
-    on_gpu = recorded_on_gpu(trace)
     try:
-        pred = vt.replay(trace, ns.device_memory, ns.alloc_conf, overheads=_overheads(ns, on_gpu), top=ns.top,
+        pred = vt.replay(trace, target, top=ns.top,
                          curves=True)
     except (TypeError, ValueError) as exc:
         _error("replay", str(exc))
@@ -404,7 +365,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
         print(f"recorded on {where}: peak allocated {vt.format_size(trace.meta.get('recorded_peak_allocated', 0))}, "
               f"peak reserved {vt.format_size(trace.meta['recorded_peak_reserved'])}")
     page = _write_html("replay", ns.html, trace, pred, f"vramkit replay: {os.path.basename(ns.trace)} on "
-                                                        f"{vt.format_size(ns.device_memory)}")
+                                                        f"{target.describe()}")
     if page is None:
         return BAD_INPUT
     print(f"\nTimeline: {page}")

@@ -31,7 +31,7 @@ from .. import _C
 from .._core.devices import current_device
 from .._core.text_html import TextAsHtml
 from ..memory.api import record_memory_history
-from ..trace.replay_sim import format_size
+from .._core.sizes import format_size
 from .notebook_cell import CellMeter, CellReport, known_devices
 from .notebook_display import Timeline
 from .notebook_holders import Output, Survey, clear_last_error, clear_outputs, find_outputs, survey

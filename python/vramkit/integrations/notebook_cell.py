@@ -23,7 +23,7 @@ from typing import Any
 
 from .. import _C
 from .._core.text_html import TextAsHtml
-from ..trace.replay_sim import format_size
+from .._core.sizes import format_size
 
 __all__ = ["CellMeter", "CellReport", "DeviceChange", "known_devices", "signed_size"]
 

@@ -53,7 +53,7 @@ __all__ = ["make_sim", "run_marked"]
 
 
 def _size(value: Any, what: str) -> int:
-    from ..trace.replay_sim import parse_size
+    from .._core.sizes import parse_size
 
     if value == 0:
         return 0

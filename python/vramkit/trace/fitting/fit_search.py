@@ -13,54 +13,26 @@ that did not, so it needs about 2 log2(B) probes and, when traces can be derived
 
 from __future__ import annotations
 
-import itertools
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
-from .._core.text_html import TextAsHtml
-from .capture_step import capture
+from ..._core.sizes import format_size
+from ..._core.text_html import TextAsHtml
+from ..capturing.capture_step import capture
+from ..formats.file_format import Trace
+from ..replaying.replay_sim import ON_DEVICE, Prediction, peak_live_bytes, replay
+from ..sharding.fake_dist import check_rank
+from ..sharding.sharding_changes import communication_sent, host_bytes, sharding_techniques
+from ..target.gpu_profiles import AllocConf, GpuOverheads, GpuSpec, Target, resolve_target
 from .derive_batch import MIN_BATCH_SIZE, BatchModel, first_difference, mismatch
-from .file_format import Trace
-from .fake_dist import check_rank
-from .gpu_profiles import NCCL_DEFAULT, gpu_profile
-from .replay_sim import ON_DEVICE, GpuOverheads, Prediction, _conf_text, format_size, parse_size, peak_live_bytes, replay
-from .sharding_changes import change_for, communication_sent, host_bytes, sharding_cost, sharding_techniques
+from .probes import CAPTURED, DERIVED, Probe
+from .suggestions import Suggestion, suggest, without_foreach
 
-__all__ = ["CAPTURED", "DERIVED", "FitReport", "Probe", "Suggestion", "fit"]
+__all__ = ["FitReport", "fit"]
 
-# Where a probe's trace came from: a capture on meta, or derive_batch from two captures.
-CAPTURED, DERIVED = "captured", "derived"
 _ALL_CAPTURED = "every trace captured"  # how FitReport.derivation starts when derivation was given up
-
-
-@dataclass
-class Probe:
-    """One replay at one batch size, of a trace captured on meta or derived from captures."""
-
-    batch_size: int
-    prediction: Prediction
-    seconds: float
-    trace_source: str = CAPTURED  # CAPTURED or DERIVED (then the trace was computed, not run)
-    live_peak: int = 0  # peak of live bytes (rounded to blocks) on a GPU large enough for it
-
-    @property
-    def fits(self) -> bool:
-        return self.prediction.fits
-
-    @property
-    def derived(self) -> bool:
-        return self.trace_source == DERIVED
-
-
-@dataclass
-class Suggestion:
-    """A change that makes the target batch size fit, with its predicted peak and its cost."""
-
-    change: str
-    settings: dict[str, Any]
-    prediction: Prediction
-    cost: str
 
 
 @dataclass
@@ -69,7 +41,7 @@ class FitReport(TextAsHtml):
     changes that make it fit, the probes of the step as written and their traces
     (``trace(batch_size)``), and how many captures it took (the other traces were derived)."""
 
-    capacity: int
+    gpu: Target  # the GPU the answers are for
     target_batch_size: int | None
     max_batch_size: int  # the largest batch size that fits; 0 if even 1 does not
     probes: list[Probe] = field(default_factory=list)
@@ -85,6 +57,11 @@ class FitReport(TextAsHtml):
     @property
     def fits(self) -> bool:
         return self.target.fits if self.target is not None else self.max_batch_size > 0
+
+    @property
+    def capacity(self) -> int:
+        """The GPU's memory (``Target.capacity``)."""
+        return self.gpu.capacity
 
     def trace(self, batch_size: int) -> Trace:
         """The trace this fit replayed at `batch_size` (the step as written: no checkpointing or
@@ -250,11 +227,10 @@ class _Traces:
         self.say(line)
 
 
-def fit(build: Callable[..., Any], capacity: Any = None, *, gpu: Any = None, batch_size: int | None = None,
-        max_batch_size: int = 1 << 16, steps: int = 2, alloc_conf: Any = None,
-        overheads: GpuOverheads | None = None, search: bool = True,
-        progress: Callable[[str], None] | None = None, derive: bool = True, world_size: int | None = None,
-        rank: int = 0, captured: Mapping[int, Trace] | None = None) -> FitReport:
+def fit(build: Callable[..., Any], gpu: GpuSpec, *, batch_size: int | None = None, max_batch_size: int = 1 << 16,
+        steps: int = 2, alloc_conf: AllocConf = None, overheads: GpuOverheads | Mapping[str, int] | None = None,
+        search: bool = True, progress: Callable[[str], None] | None = None, derive: bool = True,
+        world_size: int | None = None, rank: int = 0, captured: Mapping[int, Trace] | None = None) -> FitReport:
     """Answer "does it fit, and if not what do I change" for a training step.
 
     `build(batch_size)` builds the model, optimizer and a batch (on the current default
@@ -262,10 +238,13 @@ def fit(build: Callable[..., Any], capacity: Any = None, *, gpu: Any = None, bat
     ``capture``'s builder form. `steps` steps are captured (2 by default: optimizer state is
     created in the first step's ``optimizer.step()``, so the second step is the steady state).
 
-    The GPU: `capacity` ("24GiB"; 24 GiB when neither is given) and/or `gpu`, a profile name
-    ("H100-80GB", see ``gpu_profiles``) or a ``GpuProfile``, which sets the capacity unless
-    `capacity` is given, the line items unless `overheads` is, and the architecture whose CUDA
-    dispatch choices the captures make (attention backend, bf16).
+    `gpu`: the GPU, as ``resolve_target`` takes it: a profile name (``"H100-80GB"``, see
+    ``gpu_profiles``), ``"current"``, a ``GpuProfile``, its memory (``"24GiB"`` or bytes) or a
+    ``Target``. A profile sets the capacity, the line items (unless `overheads` changes them)
+    and the architecture whose CUDA dispatch choices the captures make (attention backend,
+    bf16); a bare memory size keeps ``GpuOverheads()``'s line items and ``CudaChoices()``'s
+    architecture. `alloc_conf`: the allocator options the step runs with
+    (PYTORCH_CUDA_ALLOC_CONF's form).
 
     With `search`, the largest batch size up to `max_batch_size` that fits is found. With
     `batch_size`, that size is predicted and, if it does not fit, the cheapest changes that make
@@ -292,17 +271,9 @@ def fit(build: Callable[..., Any], capacity: Any = None, *, gpu: Any = None, bat
     size, used instead of capturing them again."""
     if not callable(build):
         raise TypeError(f"build must be callable (batch_size -> step function), got {type(build).__name__}")
-    profile = gpu_profile(gpu) if gpu is not None else None
-    if capacity is None:
-        capacity = profile.total_memory if profile is not None else "24GiB"
-    cap = parse_size(capacity)
-    given = overheads is not None
-    if overheads is None and profile is not None:
-        overheads = profile.overheads()
     if world_size is not None:
         check_rank(world_size, rank)
-        if not given:  # a distributed job: NCCL's buffers outside the allocator, unless the caller said
-            overheads = GpuOverheads(**{**(overheads or GpuOverheads()).__dict__, "nccl": NCCL_DEFAULT})
+    target = resolve_target(gpu, overheads=overheads, alloc_conf=alloc_conf, world_size=world_size)
     for name, value in (("max_batch_size", max_batch_size), ("steps", steps)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -316,9 +287,7 @@ def fit(build: Callable[..., Any], capacity: Any = None, *, gpu: Any = None, bat
     say = progress or (lambda line: None)
     # capture's keyword arguments for the step as written; the probes override checkpointing and
     # autocast. A new capture option is one more entry here (it joins the cache keys through it).
-    capture_options: dict[str, Any] = {"checkpoint_blocks": False, "autocast": None}
-    if profile is not None:
-        capture_options["cuda"] = profile.cuda_choices()
+    capture_options: dict[str, Any] = {"checkpoint_blocks": False, "autocast": None, "cuda": target.cuda_choices()}
     if world_size is not None:  # one rank of a sharded job (fake_dist): the batch size is per rank
         capture_options.update(world_size=world_size, rank=rank)
     traces = _Traces(build, steps, derive, say)
@@ -326,18 +295,18 @@ def fit(build: Callable[..., Any], capacity: Any = None, *, gpu: Any = None, bat
         traces.config(capture_options).traces[bs] = (trace, CAPTURED)
     cache: dict[tuple[int, str, tuple[tuple[str, str], ...]], Probe] = {}
 
-    def probe(bs: int, conf: Any = alloc_conf, checkpoint_blocks: bool | int = False, autocast: Any = None,
-              loop: bool = False, sharding: Any = None) -> Probe:
+    def probe(bs: int, conf: str | None = target.alloc_conf, checkpoint_blocks: bool | int = False,
+              autocast: Any = None, loop: bool = False, sharding: Any = None) -> Probe:
         options = {**capture_options, "checkpoint_blocks": checkpoint_blocks, "autocast": autocast}
         if sharding:
             options["sharding"] = sharding
         if loop:  # the optimizer one parameter at a time: CUDA's foreach choice not made
-            options["cuda"] = _without_foreach(options.get("cuda", True))
+            options["cuda"] = without_foreach(options["cuda"])
         key = (bs, str(conf), _options_key(options))
         if key not in cache:
             t0 = time.perf_counter()
             trace, source = traces.get(bs, options)
-            pred = replay(trace, cap, conf, overheads=overheads)
+            pred = replay(trace, target.with_alloc_conf(conf))
             pred.checkpointed_blocks = trace.meta.get("checkpointed_blocks", "")
             pred.checkpointed_count = int(trace.meta.get("checkpointed_count", 0))
             pred.communication_sent = communication_sent(trace)
@@ -345,11 +314,11 @@ def fit(build: Callable[..., Any], capacity: Any = None, *, gpu: Any = None, bat
             live = peak_live_bytes(trace, rounded=True, categories=ON_DEVICE)
             p = cache[key] = Probe(bs, pred, time.perf_counter() - t0, source, live)
             verdict = f"fits, peak reserved {format_size(p.prediction.peak_reserved)}" if p.fits else "OOM"
-            how = (f" with {conf}" if conf != alloc_conf else "") + _how(options)
+            how = (f" with {conf}" if conf != target.alloc_conf else "") + _how(options)
             say(f"batch size {bs}{how}: {verdict} ({source}, {p.seconds:.1f} s)")
         return cache[key]
 
-    report = FitReport(capacity=cap, target_batch_size=batch_size, max_batch_size=0)
+    report = FitReport(gpu=target, target_batch_size=batch_size, max_batch_size=0)
     if batch_size is not None:
         report.target = probe(batch_size).prediction
     if search:
@@ -362,20 +331,21 @@ def fit(build: Callable[..., Any], capacity: Any = None, *, gpu: Any = None, bat
         foreach = (bool(written.meta.get("optimizer_default_implementation"))
                    and bool(written.meta.get("cuda_choices", {}).get("optimizer")))
         strategy = written.meta.get("strategy") or {}
-        report.suggestions = _suggest(probe, batch_size, report.target, alloc_conf, foreach,
-                                      bf16=profile is None or profile.bf16, sharding=sharding_techniques(strategy),
-                                      # FSDP2 computing in bf16 already: autocast would change next to nothing
-                                      amp=strategy.get("param_dtype") not in ("bfloat16", "float16"))
+        report.suggestions = suggest(probe, batch_size, report.target, target.alloc_conf, foreach, bf16=target.bf16,
+                                     sharding=sharding_techniques(strategy),
+                                     # FSDP2 computing in bf16 already: autocast would change next to nothing
+                                     amp=strategy.get("param_dtype") not in ("bfloat16", "float16"))
     plain = _options_key(capture_options)
     report.probes = [p for (bs, conf, options), p in sorted(cache.items(), key=lambda kv: kv[0][0])
-                     if conf == str(alloc_conf) and options == plain]
+                     if conf == str(target.alloc_conf) and options == plain]
     as_written = traces.config(capture_options)
     report.traces = {bs: trace for bs, (trace, _) in sorted(as_written.traces.items())}
     report.captures, report.fallbacks, report.derivation = traces.captures, traces.fallbacks, as_written.note()
     return report
 
 
-def _largest(probe: Callable[..., Probe], limit: int, target: int | None, target_pred: Prediction | None) -> tuple[int, int]:
+def _largest(probe: Callable[..., Probe], limit: int, target: int | None,
+             target_pred: Prediction | None) -> tuple[int, int]:
     """Largest batch size <= limit that fits: double from 2 (or from a target that fits) until a
     size does not fit, then bisect. Returns (size, limit); size 0 when batch size 1 does not fit.
 
@@ -407,190 +377,3 @@ def _largest(probe: Callable[..., Probe], limit: int, target: int | None, target
     return lo, limit
 
 
-# Tried in this order, each replayed with PyTorch's policy for it (expandable segments with
-# PyTorch's 20 MiB pages); the first that fits is suggested, with what it costs.
-_ALLOCATOR_OPTIONS = (
-    ("expandable_segments:True", "none in memory; new pages are mapped as segments grow (the first steps are a "
-                                 "little slower) and tensors cannot be shared with other processes over CUDA IPC"),
-    ("max_split_size_mb:512", "none in memory; the allocator splits or frees cached blocks more often"),
-    ("max_split_size_mb:128", "none in memory; the allocator splits or frees cached blocks more often"),
-    ("garbage_collection_threshold:0.6", "none in memory; the allocator splits or frees cached blocks more often"),
-)
-
-
-def _without_foreach(cuda: Any) -> Any:
-    from dataclasses import replace
-
-    from .cuda_choices import CudaChoices
-
-    choices = cuda if isinstance(cuda, CudaChoices) else CudaChoices() if cuda else CudaChoices.off()
-    return replace(choices, optimizer=False)
-
-
-def _suggest(probe: Callable[..., Probe], target: int, pred: Prediction, alloc_conf: Any,
-             foreach: bool = False, bf16: bool = True, sharding: list[str] | None = None,
-             amp: bool = True) -> list[Suggestion]:
-    """The cheapest changes that make `target` fit: every single change that does, else every
-    pair, and so on (allocator options are tried alone, when only fragmentation fails). With
-    `foreach` (the step's optimizer runs CUDA's multi-tensor implementation), running it one
-    parameter at a time is one of the changes. `sharding`: the sharding changes of a sharded
-    step (``sharding_changes.sharding_techniques``), each one more technique. `amp`: whether
-    bf16 autocast is one (not where FSDP2 already gathers parameters in bf16)."""
-    out: list[Suggestion] = []
-    # Fragmentation: the live bytes would fit but the reserved segments do not.
-    if pred.oom and pred.oom.get("allocated", 0) + pred.oom.get("size", 0) <= pred.usable:
-        for option, cost in _ALLOCATOR_OPTIONS:
-            base = _conf_text(alloc_conf)
-            if base and option.split(":")[0] in base:
-                continue  # the user's own setting stays
-            conf = option if not base else f"{base},{option}"
-            p = probe(target, conf)
-            if p.fits:
-                out.append(Suggestion(f"PYTORCH_CUDA_ALLOC_CONF={conf}", {"alloc_conf": conf}, p.prediction, cost))
-                break
-    blocks = probe(target, alloc_conf, True).prediction.checkpointed_blocks
-    found: dict[frozenset[str], int] = {}  # techniques (without accumulation) -> micro-batches needed
-    sharding = [t for t in sharding or () if t != "mp" or bf16]  # (FSDP2 in fp16 needs a sharded grad scaler)
-    techniques_here = ((["loop"] if foreach else []) + sharding + (["amp"] if amp else []) + ["accumulate"]
-                       + (["checkpoint"] if blocks else []))
-    combos = [c for r in range(1, len(techniques_here) + 1) for c in itertools.combinations(techniques_here, r)
-              if not ("fsdp" in sharding and "mp" in c and "fsdp" not in c)]  # a DDP script: bf16 needs FSDP2
-    base_sent = pred.communication_sent
-    # Out of memory while the builder sets up (before any forward): a change to the forward,
-    # the backward or the optimizer alone leaves that part of the trace as it is.
-    in_setup = (pred.oom or {}).get("phase") == "setup"
-    for combo in combos:
-        if in_setup and set(combo) <= {"amp", "checkpoint", "loop"}:
-            continue
-        techniques = frozenset(c for c in combo if c != "accumulate")
-        # A combination is worth reporting only if every smaller one needs more micro-batches.
-        if any(t <= techniques and t != techniques for t in found if found[t] == 1):
-            continue
-        s = _try(probe, target, alloc_conf, combo, blocks, bf16, base_sent)
-        if s is None:
-            continue
-        k = s.settings.get("accumulation_steps", 1)
-        if any(t <= techniques and found[t] <= k for t in found):
-            continue
-        found[techniques] = k
-        out.append(s)
-    return out
-
-
-_LOOP_COST = ("optimizer.step() runs a loop of per-parameter kernels instead of CUDA's default multi-tensor (foreach) "
-              "ones, which hold a temporary for every parameter at once (Adam: the square root of every exp_avg_sq); "
-              "a slower step, the same result; pass foreach=False to the optimizer")
-_FP16_COST = ("the forward under torch.autocast(\"cuda\", dtype=torch.float16) with a torch.amp.GradScaler (this GPU has "
-              "no bf16 kernels: compute capability below 8.0); weights, gradients and optimizer state stay float32")
-_AMP_COST = ("the forward under torch.autocast(\"cuda\", dtype=torch.bfloat16) (float16 takes the same memory and "
-             "needs a GradScaler); weights, gradients and optimizer state stay float32; usually faster on tensor cores")
-
-
-def _try(probe: Callable[..., Probe], target: int, alloc_conf: Any, combo: tuple[str, ...],
-         blocks: str, bf16: bool = True, base_sent: int | None = None) -> Suggestion | None:
-    """Probe one combination; with "accumulate", the fewest micro-batches (dividing the target)
-    that fit. Autocast is to bf16, or to fp16 on a GPU without bf16 (compute capability < 8)."""
-    import torch
-
-    amp = (torch.bfloat16 if bf16 else torch.float16) if "amp" in combo else None
-    ckpt = "checkpoint" in combo
-    loop = "loop" in combo
-    change = change_for(combo)
-    if "accumulate" in combo:
-        sizes = [(target // k, k) for k in range(2, target + 1) if target % k == 0]
-    else:
-        sizes = [(target, 1)]
-    for micro, k in sizes:
-        more: dict[str, Any] = {"loop": True} if loop else {}  # (a probe without the option serves the rest)
-        if change is not None:
-            more["sharding"] = change
-        if loop and _before_the_optimizer(probe(micro, alloc_conf, ckpt, amp, sharding=change).prediction):
-            continue  # the same trace up to there with either implementation: the loop cannot help
-        p = probe(micro, alloc_conf, ckpt, amp, **more)
-        if not p.fits:
-            continue
-        count = total = p.prediction.checkpointed_count
-        if ckpt and k == 1:
-            count, p = _fewest_blocks(lambda c: probe(micro, alloc_conf, c or False, amp, **more), total, p)
-        settings: dict[str, Any]
-        parts, costs, settings = [], [], {}
-        for technique in (t for t in combo if change is not None and t in ("fsdp", "reshard", "mp", "offload")):
-            parts.append({"fsdp": "FSDP2 instead of DDP", "reshard": "reshard_after_forward=True",
-                          "mp": "FSDP2's bf16 MixedPrecisionPolicy", "offload": "FSDP2's CPUOffloadPolicy"}[technique])
-            costs.append(sharding_cost(technique, blocks))
-            settings[technique] = True
-            if technique == "offload" and p.prediction.host_bytes:
-                costs.append(f"{format_size(p.prediction.host_bytes)} of host memory per rank")
-        if change is not None and p.prediction.communication_sent is not None and base_sent is not None:
-            sent = p.prediction.communication_sent
-            costs.append(f"this rank sends {format_size(sent)} per step in collectives ({_signed(sent - base_sent)} "
-                         f"against the script as written)")
-        if loop:
-            parts.append("the optimizer one parameter at a time (foreach=False)")
-            costs.append(_LOOP_COST)
-            settings["foreach"] = False
-        if amp is not None:
-            parts.append("bf16 autocast" if bf16 else "fp16 autocast")
-            costs.append(_AMP_COST if bf16 else _FP16_COST)
-            settings["autocast"] = "bfloat16" if bf16 else "float16"
-        if ckpt:
-            which = "every block" if count == total else f"the first {count} of the {total} blocks"
-            parts.append(f"activation checkpointing of {which} in {blocks}")
-            costs.append(f"the backward recomputes those blocks' forwards: {count} block forward(s) more per step, "
-                         f"{count / total:.0%} of a forward pass of {blocks} "
-                         "(torch.utils.checkpoint(block, x, use_reentrant=False) around each)")
-            settings["checkpoint_blocks"] = blocks
-            settings["checkpointed_count"] = count
-        if k > 1:
-            parts.append(f"gradient accumulation: {k} micro-batches of {micro}")
-            costs.append(f"{k} forward/backward passes per optimizer step (same samples, smaller kernels; gradients "
-                         "stay allocated between micro-batches, as in this step)")
-            settings.update(micro_batch_size=micro, accumulation_steps=k)
-        return Suggestion(" + ".join(parts), settings, p.prediction, "; ".join(costs))
-    return None
-
-
-def _signed(n: int) -> str:
-    return ("+" if n >= 0 else "-") + format_size(abs(n))
-
-
-def _fewest_blocks(probe_at: Callable[[int], Probe], total: int, fits_all: Probe) -> tuple[int, Probe]:
-    """The fewest repeated blocks (the first ones: their recomputation comes at the end of the
-    backward, when most activations are freed) whose checkpointing fits, and its probe;
-    `fits_all` is the probe with all `total` checkpointed, which fits.
-
-    A bisection, but each probe is placed where the line through the peaks live at the
-    bracket's ends crosses the largest live peak that fits (the fitting end's, plus the room its
-    segments leave), kept within the bracket's middle half (``middle_half``): memory falls
-    about linearly with the blocks checkpointed, so this often needs fewer captures than
-    halving, and where it does not (a peak that checkpointing does not move) each probe still
-    cuts the bracket by a quarter. The answer is a replay that fits, with one block fewer
-    replayed as not fitting."""
-    lo, hi = 0, total  # checkpointing lo blocks does not fit (0: taken not to, the target does not), hi does
-    best = fits_all
-    low = probe_at(0)
-    while hi - lo > 1:
-        span = low.live_peak - best.live_peak
-        room = best.prediction.usable - best.prediction.peak_reserved  # what the fitting end leaves
-        guess = lo + (low.live_peak - best.live_peak - room) * (hi - lo) / span if span > 0 else (lo + hi) / 2
-        mid = middle_half(lo, hi, int(guess) + 1)  # (rounded up: the fewest that may fit)
-        q = probe_at(mid)
-        if q.fits:
-            hi, best = mid, q
-        else:
-            lo, low = mid, q
-    return hi, best
-
-
-def _before_the_optimizer(pred: Prediction) -> bool:
-    """Whether a replay ran out of memory in the first step before its optimizer step, where the
-    trace is the same whatever the optimizer's implementation (a loop cannot help then)."""
-    oom = pred.oom or {}
-    return oom.get("step", 1) <= 0 and oom.get("phase") in ("setup", "forward", "backward")
-
-
-def middle_half(lo: int, hi: int, guess: int) -> int:
-    """`guess` moved into the middle half of the open bracket (lo, hi), so that an interpolated
-    probe shrinks the bracket by at least a quarter whichever way it goes."""
-    quarter = -(-(hi - lo) // 4)  # rounded up: a bracket of 5 is probed at its middle
-    return min(max(guess, lo + quarter), hi - quarter)

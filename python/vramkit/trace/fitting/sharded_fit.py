@@ -21,16 +21,17 @@ size.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._core.text_html import TextAsHtml
-from .capture_step import capture
-from .fit_search import middle_half
-from .file_format import CATEGORIES, Trace
-from .gpu_profiles import NCCL_DEFAULT, GpuOverheads, gpu_profile
-from .replay_sim import ON_DEVICE, Prediction, format_size, parse_size, peak_live_bytes, replay
+from ..._core.sizes import format_size
+from ..._core.text_html import TextAsHtml
+from ..capturing.capture_step import capture
+from ..formats.file_format import CATEGORIES, Trace
+from ..replaying.replay_sim import ON_DEVICE, Prediction, peak_live_bytes, replay
+from ..target.gpu_profiles import AllocConf, GpuOverheads, GpuSpec, Target, resolve_target
+from .probes import middle_half
 
 __all__ = ["RankReport", "WorldSizeAnswer", "predict_ranks", "smallest_world_size", "world_sizes"]
 
@@ -41,10 +42,15 @@ class RankReport(TextAsHtml):
 
     world_size: int
     batch_size: int
-    capacity: int
+    gpu: Target  # the GPU every rank is replayed on (NCCL's line item included)
     predictions: dict[int, Prediction]  # rank -> its replay
     traces: dict[int, Trace] = field(repr=False, default_factory=dict)
     note: str = ""  # which ranks were captured, and why
+
+    @property
+    def capacity(self) -> int:
+        """Each GPU's memory (``Target.capacity``)."""
+        return self.gpu.capacity
 
     @property
     def fits(self) -> bool:
@@ -147,23 +153,17 @@ def _spread(world_size: int, count: int) -> list[int]:
     return sorted({round(i * (world_size - 1) / (count - 1)) for i in range(count)})
 
 
-def predict_ranks(build: Callable[..., Any], batch_size: int, *, world_size: int, capacity: Any = None,
-                  gpu: Any = None, ranks: list[int] | None = None, steps: int = 2, alloc_conf: Any = None,
-                  overheads: GpuOverheads | None = None, max_ranks: int = 64,
+def predict_ranks(build: Callable[..., Any], batch_size: int, *, world_size: int, gpu: GpuSpec,
+                  ranks: list[int] | None = None, steps: int = 2, alloc_conf: AllocConf = None,
+                  overheads: GpuOverheads | Mapping[str, int] | None = None, max_ranks: int = 64,
                   progress: Callable[[str], None] | None = None) -> RankReport:
     """Capture `build(batch_size)` as ranks of a `world_size`-rank job and replay each on the
-    GPU (`capacity` and/or `gpu`, as for ``fit``). `ranks`: which ranks (default: those whose
-    shards differ, see the module docstring). `overheads` default to the profile's with NCCL's
-    650 MiB added."""
+    GPU (`gpu`, `alloc_conf` and `overheads` as for ``fit``; NCCL's 650 MiB is a line item
+    unless `overheads` sets ``nccl``). `ranks`: which ranks (default: those whose shards differ,
+    see the module docstring)."""
     say = progress or (lambda line: None)
-    profile = gpu_profile(gpu) if gpu is not None else None
-    if capacity is None and profile is None:
-        raise TypeError("predict_ranks() needs the GPU's capacity (e.g. \"80GiB\") or a GPU profile (gpu=\"H100-80GB\")")
-    cap = parse_size(capacity) if capacity is not None else profile.total_memory  # type: ignore[union-attr]
-    if overheads is None:
-        base = profile.overheads() if profile is not None else GpuOverheads()
-        overheads = GpuOverheads(**{**base.__dict__, "nccl": NCCL_DEFAULT})
-    options: dict[str, Any] = {"cuda": profile.cuda_choices()} if profile is not None else {}
+    target = resolve_target(gpu, overheads=overheads, alloc_conf=alloc_conf, world_size=world_size)
+    options: dict[str, Any] = {"cuda": target.cuda_choices()}
     traces: dict[int, Trace] = {}
     preds: dict[int, Prediction] = {}
 
@@ -173,7 +173,7 @@ def predict_ranks(build: Callable[..., Any], batch_size: int, *, world_size: int
         say(f"capturing rank {rank} of {world_size} at batch size {batch_size} ...")
         traces[rank] = capture(build, batch_size, device="meta", steps=steps, world_size=world_size, rank=rank,
                                meta={"batch_size": batch_size}, progress=say, **options)
-        preds[rank] = replay(traces[rank], cap, alloc_conf, overheads=overheads)
+        preds[rank] = replay(traces[rank], target)
 
     if ranks is not None:
         for r in ranks:
@@ -199,7 +199,7 @@ def predict_ranks(build: Callable[..., Any], batch_size: int, *, world_size: int
             note = (f"the shards of ranks 0 and {world_size - 1} differ by more than 1 %, so "
                     + (f"every rank was captured" if len(chosen) == world_size
                        else f"{len(chosen)} evenly spread ranks were captured (of {world_size})"))
-    return RankReport(world_size, batch_size, cap, preds, traces, note)
+    return RankReport(world_size, batch_size, target, preds, traces, note)
 
 
 def _same_shapes_on_every_rank(traces: dict[int, Trace], one: Callable[[int], None], world_size: int) -> bool:
@@ -221,32 +221,38 @@ class WorldSizeAnswer:
 
     batch_size: int
     world_size: int
-    capacity: int
+    gpu: Target  # the GPU each world size was replayed on
     tried: dict[int, Prediction]  # world size -> the prediction of its highest rank captured
     why_not: str = ""  # why more ranks do not help, when they do not
     replicated: bool = False  # nothing sharded: every world size holds the same per GPU
 
+    @property
+    def capacity(self) -> int:
+        """Each GPU's memory (``Target.capacity``)."""
+        return self.gpu.capacity
+
     def line(self) -> str:
-        cap = format_size(self.capacity)
+        size = format_size(self.capacity)
         if self.replicated and self.world_size:
             return (f"batch size {self.batch_size} per rank fits with any number of GPUs: the script replicates the "
                     "model (DDP or no sharding), so a GPU holds the same at every world size")
         if self.why_not:
             return f"more GPUs do not make batch size {self.batch_size} per rank fit: {self.why_not}"
         if not self.world_size:
-            return (f"batch size {self.batch_size} per rank does not fit in {cap} per GPU at any world size up to "
+            return (f"batch size {self.batch_size} per rank does not fit in {size} per GPU at any world size up to "
                     f"{max(self.tried)}")
         p = self.tried[self.world_size]
-        return (f"batch size {self.batch_size} per rank needs at least {self.world_size} x {cap} (world size "
+        return (f"batch size {self.batch_size} per rank needs at least {self.world_size} x {size} (world size "
                 f"{self.world_size}: peak reserved {format_size(p.peak_reserved)} per GPU)")
 
 
-def smallest_world_size(build: Callable[..., Any], batch_size: int, *, capacity: Any = None, gpu: Any = None,
-                        known: RankReport | None = None, limit: int = 1024, steps: int = 2, alloc_conf: Any = None,
-                        overheads: GpuOverheads | None = None,
+def smallest_world_size(build: Callable[..., Any], batch_size: int, *, gpu: GpuSpec, known: RankReport | None = None,
+                        limit: int = 1024, steps: int = 2, alloc_conf: AllocConf = None,
+                        overheads: GpuOverheads | Mapping[str, int] | None = None,
                         progress: Callable[[str], None] | None = None) -> WorldSizeAnswer:
     """The fewest ranks (from ``world_sizes(limit)``) at which `build(batch_size)` fits every
-    rank. `known`: a ``predict_ranks`` report at this batch size (its world size is a known
+    rank of a job on GPUs `gpu` (with `alloc_conf` and `overheads`, as for ``fit``). `known`:
+    a ``predict_ranks`` report at this batch size (its world size is a known
     point, and its highest rank, first or last, is the one captured at the others).
 
     Memory per rank falls as ranks are added only where something is sharded (FSDP2's
@@ -258,7 +264,8 @@ def smallest_world_size(build: Callable[..., Any], batch_size: int, *, capacity:
     tried: dict[int, Prediction] = {}
     live: dict[int, int] = {}  # world size -> peak of live bytes on the GPU, whatever the capacity
     strategy: dict[str, Any] = {}
-    cap = parse_size(capacity) if capacity is not None else gpu_profile(gpu).total_memory
+    # (every world size tried is a distributed job: NCCL's line item, unless the caller set it)
+    target = resolve_target(gpu, overheads=overheads, alloc_conf=alloc_conf, world_size=limit)
     last = bool(known is not None and known.worst_rank == known.world_size - 1 and known.world_size > 1)
 
     def fits(n: int) -> bool:
@@ -268,8 +275,7 @@ def smallest_world_size(build: Callable[..., Any], batch_size: int, *, capacity:
                 trace = known.traces[known.worst_rank]
             else:
                 say(f"world size {n}: capturing rank {n - 1 if last else 0} at batch size {batch_size} ...")
-                r = predict_ranks(build, batch_size, world_size=n, capacity=capacity, gpu=gpu,
-                                  ranks=[n - 1 if last else 0], steps=steps, alloc_conf=alloc_conf, overheads=overheads)
+                r = predict_ranks(build, batch_size, world_size=n, gpu=target, ranks=[n - 1 if last else 0], steps=steps)
                 tried[n] = r.predictions[r.worst_rank]
                 trace = r.traces[r.worst_rank]
             strategy.update(trace.meta.get("strategy", {}))
@@ -281,10 +287,10 @@ def smallest_world_size(build: Callable[..., Any], batch_size: int, *, capacity:
     ok = fits(sizes[i])
     if not (strategy.get("fsdp2") or strategy.get("zero")):
         if ok:  # replicated and fitting: fits at any world size
-            return WorldSizeAnswer(batch_size, 1, cap, tried, replicated=True)
+            return WorldSizeAnswer(batch_size, 1, target, tried, replicated=True)
         why = ("the script replicates the model on every GPU (DDP or no sharding), so a GPU holds the same at any "
                "world size; shard it (FSDP2: fully_shard) to spread parameters, gradients and optimizer state")
-        return WorldSizeAnswer(batch_size, 0, cap, tried, why_not=why, replicated=True)
+        return WorldSizeAnswer(batch_size, 0, target, tried, why_not=why, replicated=True)
     # sizes[lo] does not fit (-1: none known), sizes[hi] does (len(sizes): none known)
     if ok:  # halve the world size until it does not fit
         lo, hi = -1, i
@@ -311,7 +317,7 @@ def smallest_world_size(build: Callable[..., Any], batch_size: int, *, capacity:
             hi = mid
         else:
             lo = mid
-    return WorldSizeAnswer(batch_size, sizes[hi] if hi < len(sizes) else 0, cap, tried)
+    return WorldSizeAnswer(batch_size, sizes[hi] if hi < len(sizes) else 0, target, tried)
 
 
 def _interpolated(sizes: list[int], lo: int, hi: int, live: dict[int, int], tried: dict[int, Prediction]) -> int | None:

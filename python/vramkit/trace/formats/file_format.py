@@ -30,7 +30,7 @@ from typing import Any, Mapping, NoReturn, Sequence
 
 import numpy as np
 
-from .._core.files import write_atomically
+from ..._core.files import write_atomically
 
 __all__ = [
     "ALLOC", "CATEGORIES", "FREE", "FORMAT_VERSION", "PHASE", "PHASES", "STEP", "Trace", "TraceFormatError",

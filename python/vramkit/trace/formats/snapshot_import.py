@@ -88,7 +88,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from .._core.plain_pickle import UnsafePickleError, loads_plain
+from ..._core.plain_pickle import UnsafePickleError, loads_plain
 from .file_format import ALLOC, CATEGORIES, FREE, MAGIC, Trace, TraceFormatError, describe_value
 
 __all__ = ["from_torch_snapshot", "read_snapshot_file"]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .file_format import CATEGORIES
+from ..formats.file_format import CATEGORIES
 
 _CAT = {name: i for i, name in enumerate(CATEGORIES)}
 

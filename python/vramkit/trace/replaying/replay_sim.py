@@ -1,9 +1,9 @@
 """Replay a trace on a simulated GPU and say whether it fits (``vramkit.trace.replay``).
 
 The replay loop is C (``_C.trace_replay``): a private ``sim`` pool with vramkit's PyTorch
-policy, of the capacity asked for less the GPU memory that no CPU or meta trace can see. Those
-are explicit line items (``GpuOverheads``, in ``gpu_profiles``; a GPU profile sets them for
-its GPU), never a hidden factor:
+policy, of the target's capacity less the GPU memory that no CPU or meta trace can see. Those
+are explicit line items of the ``Target`` (``GpuOverheads``, in ``target/gpu_profiles.py``; a
+GPU profile sets them for its GPU), never a hidden factor:
 
 * the CUDA context (driver, kernels, cuBLAS/cuDNN handles): outside PyTorch's allocator, so it
   shrinks the memory the allocator can reserve. nvidia-smi shows it next to "reserved";
@@ -16,90 +16,36 @@ its GPU), never a hidden factor:
   buffers (distributed training): 0 unless given.
 
 A PyTorch snapshot recorded on a GPU already holds the workspaces (they come from the caching
-allocator), so its replay adds none by default (``recorded_on_gpu``).
+allocator), so its replay adds none the caller did not set (``Target.for_trace``).
 """
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from .. import _C
-from .._core.text_html import TextAsHtml
-from .file_format import ALLOC, CATEGORIES, FREE, PHASES, STEP, Trace
-from .gpu_profiles import NO_OVERHEADS, GiB, GpuOverheads, MiB, gpu_profile
+from ... import _C
+from ..._core.text_html import TextAsHtml
+from ..formats.file_format import ALLOC, CATEGORIES, FREE, PHASES, STEP, Trace
+from ..._core.sizes import format_size
+from ..target.gpu_profiles import AllocConf, GpuOverheads, GpuSpec, Target, resolve_target
 
-__all__ = ["GpuOverheads", "NO_OVERHEADS", "Prediction", "default_overheads", "format_size", "parse_size",
-           "recorded_on_gpu", "replay"]
-
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-          "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_DECIMAL = {"kb", "mb", "gb", "tb"}
-
+__all__ = ["ON_DEVICE", "Prediction", "peak_live_bytes", "replay"]
 
 # The categories a replay puts on the GPU: not "deferred" (meta storages made before
 # Module.to_empty, which a real run never allocates) nor "host" (CPU memory).
 ON_DEVICE = [c for c in CATEGORIES if c not in ("deferred", "host")]
-
-def parse_size(value: Any, what: str = "capacity") -> int:
-    """Bytes from an int or a string such as "24GiB", "40 GiB", "512MiB", "80g" (binary units).
-
-    "24 GB" is refused: GPU makers' "24 GB" cards have 24 GiB (2^30-byte units) or a little
-    less, while GB means 10^9 bytes; say which you mean ("24GiB", or "24e9" for decimal bytes).
-    """
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be a size in bytes or a string like '24GiB', got {value!r}")
-    if isinstance(value, (int, np.integer)):
-        n = int(value)
-    elif isinstance(value, float):
-        if not value.is_integer():
-            raise ValueError(f"{what} must be a whole number of bytes, got {value!r}")
-        n = int(value)
-    elif isinstance(value, str):
-        text = value.strip()
-        m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?(?:[eE][0-9]+)?)\s*([A-Za-z]*)", text)
-        if not m:
-            raise ValueError(f"{what} {value!r} is not a size: write a number with a binary unit, e.g. '24GiB', "
-                             "'40 GiB', '512MiB' or a byte count")
-        unit = m.group(2).lower()
-        if unit in _DECIMAL:
-            raise ValueError(f"{what} {value!r} is ambiguous: GB means 10^9 bytes, but a '{m.group(1)} GB' GPU has "
-                             f"{m.group(1)} GiB (2^30-byte units) or slightly less; write '{m.group(1)}GiB', or "
-                             f"'{m.group(1)}e9' for decimal bytes")
-        if unit not in _UNITS:
-            raise ValueError(f"{what} {value!r} has an unknown unit {m.group(2)!r}: use B, KiB, MiB, GiB or TiB")
-        try:
-            n = int(float(m.group(1)) * _UNITS[unit])
-        except OverflowError:
-            raise ValueError(f"{what} {value!r} is too large (at most 4 EiB)") from None
-    else:
-        raise TypeError(f"{what} must be a size in bytes or a string like '24GiB', got {type(value).__name__}")
-    if n <= 0 or n >= 1 << 62:
-        raise ValueError(f"{what} must be between 1 byte and 4 EiB, got {n}")
-    return n
-
-
-def format_size(n: float) -> str:
-    n = float(n)
-    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-
 
 @dataclass
 class Prediction(TextAsHtml):
     """What a replay found. Sizes in bytes; ``allocated`` counts blocks as PyTorch's
     ``memory_allocated`` does (rounded up to 512 B)."""
 
-    capacity: int
-    usable: int
+    gpu: Target  # the GPU replayed on: capacity, line items, allocator options
     fits: bool
     peak_allocated: int
     peak_reserved: int
@@ -110,8 +56,6 @@ class Prediction(TextAsHtml):
     by_category: dict[str, int]
     by_module: list[tuple[str, int]]
     oom: dict[str, Any] | None
-    overheads: GpuOverheads
-    alloc_conf: str | None
     events: int
     replay_seconds: float
     source: str = ""
@@ -120,6 +64,26 @@ class Prediction(TextAsHtml):
     checkpointed_count: int = 0
     communication_sent: int | None = None  # set by fit for a sharded trace: bytes this rank sends per step
     host_bytes: int | None = None  # set by fit: host memory the trace holds at its end (FSDP2's CPU offload)
+
+    @property
+    def capacity(self) -> int:
+        """The GPU's memory (``Target.capacity``)."""
+        return self.gpu.capacity
+
+    @property
+    def usable(self) -> int:
+        """What the allocator could reserve: the capacity less the line items outside it."""
+        return self.gpu.usable
+
+    @property
+    def overheads(self) -> GpuOverheads:
+        """The line items replayed (``Target.overheads``)."""
+        return self.gpu.overheads
+
+    @property
+    def alloc_conf(self) -> str | None:
+        """The allocator options replayed (``Target.alloc_conf``)."""
+        return self.gpu.alloc_conf
 
     @property
     def fragmentation(self) -> float:
@@ -177,21 +141,6 @@ class Prediction(TextAsHtml):
         return self.table()
 
 
-def _conf_text(alloc_conf: Any) -> str | None:
-    if alloc_conf is None:
-        return None
-    if isinstance(alloc_conf, str):
-        return alloc_conf
-    if isinstance(alloc_conf, dict):
-        parts = []
-        for k, v in alloc_conf.items():
-            if isinstance(v, bool):
-                v = "True" if v else "False"
-            parts.append(f"{k}:{v}")
-        return ",".join(parts)
-    raise TypeError(f"alloc_conf must be a VRAMKIT_ALLOC_CONF string or a dict, got {type(alloc_conf).__name__}")
-
-
 def _with_overheads(trace: Trace, overheads: GpuOverheads, include_host: bool) -> tuple[np.ndarray, ...]:
     """The event columns to replay: host-side allocations dropped (unless asked), workspace
     line items inserted as allocations before the first step's first event. Returns
@@ -242,54 +191,26 @@ def _step_at(trace: Trace) -> np.ndarray:
     return np.where(last >= 0, trace.id[np.maximum(last, 0)], -1)
 
 
-def recorded_on_gpu(trace: Trace) -> bool:
-    """Whether `trace` is a PyTorch snapshot recorded on a GPU: its allocations already include
-    the cuBLAS and cuDNN workspaces (they come from the caching allocator), so a replay must not
-    add them again. vramkit's own snapshots of cpu or simulated pools (meta "recorded_on")
-    are not."""
-    if trace.meta.get("source") != "torch-snapshot":
-        return False
-    return not str(trace.meta.get("recorded_on", "cuda")).startswith(("cpu", "sim"))
-
-
-def default_overheads(trace: Trace, gpu: Any = None) -> GpuOverheads:
-    """The line items a replay of `trace` adds by default: the GPU profile's (or
-    ``GpuOverheads()``), without the allocator's workspaces for a trace recorded on a GPU."""
-    base = gpu.overheads() if gpu is not None else GpuOverheads()
-    if recorded_on_gpu(trace):
-        return GpuOverheads(cuda_context=base.cuda_context, cublas_workspace=0, cudnn_workspace=0, nccl=base.nccl)
-    return base
-
-
-def replay(trace: Trace, capacity: Any = None, alloc_conf: Any = None, *, gpu: Any = None,
-           overheads: GpuOverheads | None = None, include_host: bool = False, top: int = 10,
+def replay(trace: Trace, gpu: GpuSpec, alloc_conf: AllocConf = None, *,
+           overheads: GpuOverheads | Mapping[str, int] | None = None, include_host: bool = False, top: int = 10,
            curves: bool = False) -> Prediction:
-    """Replay `trace` on a simulated device of `capacity` (bytes or "24GiB") with PyTorch's
-    allocator policy (`alloc_conf`: PYTORCH_CUDA_ALLOC_CONF-style options, a string or dict)
-    and return a ``Prediction``: peaks, whether and where it runs out of memory, the
-    fragmentation, and what was live at the peak (or at the OOM) by category and by module.
+    """Replay `trace` on a simulated GPU with PyTorch's allocator policy and return a
+    ``Prediction``: peaks, whether and where it runs out of memory, the fragmentation, and what
+    was live at the peak (or at the OOM) by category and by module.
 
-    `gpu`: a GPU profile (``"H100-80GB"``, a ``GpuProfile``; see ``gpu_profiles``): its memory is
-    the capacity unless `capacity` is given, and its line items the default overheads.
-    `overheads`: the GPU-only line items (by default the profile's, else ``GpuOverheads()``;
-    for a PyTorch snapshot recorded on a GPU, without the cuBLAS/cuDNN workspaces, which it
-    already holds; ``NO_OVERHEADS`` to replay the trace alone). `include_host`: also replay allocations that a GPU run keeps in
-    host memory (Adam's step counters). `curves`: keep per-event allocated/reserved arrays.
+    `gpu`: the GPU, as ``resolve_target`` takes it: a profile name (``"H100-80GB"``),
+    ``"current"``, a ``GpuProfile``, its memory (bytes or ``"24GiB"``) or a ``Target``.
+    `alloc_conf`: PYTORCH_CUDA_ALLOC_CONF-style options, a string or dict. `overheads`: the
+    GPU-only line items, a ``GpuOverheads`` or some of its fields (by default the profile's,
+    else ``GpuOverheads()``'s; ``NO_OVERHEADS`` to replay the trace alone). For a PyTorch
+    snapshot recorded on a GPU the cuBLAS/cuDNN workspaces are left out unless set here: it holds
+    them already. `include_host`: also replay allocations that a GPU run keeps in host memory
+    (Adam's step counters). `curves`: keep per-event allocated/reserved arrays.
     """
     if not isinstance(trace, Trace):
         raise TypeError(f"trace must be a vramkit.trace.Trace, got {type(trace).__name__}")
-    profile = gpu_profile(gpu) if gpu is not None else None
-    if capacity is None and profile is None:
-        raise TypeError("replay() needs the device's capacity (e.g. \"24GiB\") or a GPU profile (gpu=\"H100-80GB\")")
-    cap = parse_size(capacity) if capacity is not None else profile.total_memory  # type: ignore[union-attr]
-    ov = default_overheads(trace, profile) if overheads is None else overheads
-    if not isinstance(ov, GpuOverheads):
-        raise TypeError(f"overheads must be a GpuOverheads, got {type(ov).__name__}")
-    usable = cap - ov.outside
-    if usable <= 0:
-        raise ValueError(f"capacity {format_size(cap)} leaves nothing once {format_size(ov.outside)} of CUDA context "
-                         "and other memory outside the allocator is taken")
-    conf = _conf_text(alloc_conf)
+    target = resolve_target(gpu, overheads=overheads, alloc_conf=alloc_conf).for_trace(trace)
+    ov, usable, conf = target.overheads, target.usable, target.alloc_conf
     kind, ids, size, stream, src = _with_overheads(trace, ov, include_host)
     n = len(kind)
     allocated = np.zeros(n, np.uint64)
@@ -358,12 +279,11 @@ def replay(trace: Trace, capacity: Any = None, alloc_conf: Any = None, *, gpu: A
         # Up to the last event replayed: all of them, or those before the OOM.
         out_curves = {"kind": kind[:done], "id": ids[:done], "allocated": allocated[:done],
                       "reserved": reserved[:done], "address": addresses[:done], "source_event": src[:done]}
-    return Prediction(capacity=cap, usable=usable, fits=oom is None, peak_allocated=int(res["peak_allocated"]),
+    return Prediction(gpu=target, fits=oom is None, peak_allocated=int(res["peak_allocated"]),
                       peak_reserved=int(res["peak_reserved"]), peak_requested=int(res["peak_requested"]),
                       reserved_at_peak_allocated=int(res["reserved_at_peak_allocated"]),
                       peak_event=int(src[focus]) if oom is None and focus >= 0 else -1, where_peak=where,
-                      by_category=by_category, by_module=by_module, oom=oom, overheads=ov, alloc_conf=conf,
-                      events=int(res["events"]), replay_seconds=seconds, source=str(trace.meta.get("source", "")),
+                      by_category=by_category, by_module=by_module, oom=oom, events=int(res["events"]), replay_seconds=seconds, source=str(trace.meta.get("source", "")),
                       curves=out_curves)
 
 

@@ -24,8 +24,9 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten
 
-from .cpu_offload import tag_host
-from .file_format import PHASES
+from ..sharding.block_stack import repeated_blocks
+from ..sharding.cpu_offload import tag_host
+from ..formats.file_format import PHASES
 
 _FORWARD, _OTHER = PHASES.index("forward"), PHASES.index("other")
 LABEL = "vramkit_module"  # the key of a node's module path in node.metadata
@@ -136,24 +137,6 @@ def _add_root(rec: Any, module: nn.Module) -> None:
             rec.names.setdefault(id(sub), name)
         if rec.checkpoint_blocks and not rec.checkpointed:
             _checkpoint_repeated_blocks(rec, module)
-
-
-def repeated_blocks(root: nn.Module) -> tuple[str, list[nn.Module]] | None:
-    """The model's stack of repeated blocks: the ModuleList or Sequential of two or more
-    children of one class holding the most parameters (a transformer's layers, a ResNet
-    stage), as (path, blocks); None if there is none."""
-    best, best_params = None, 0
-    for name, mod in root.named_modules():
-        if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = list(mod.children())
-        if len(children) < 2 or len({type(c) for c in children}) != 1:
-            continue
-        params = sum(p.numel() for p in mod.parameters()
-                     if not isinstance(p, nn.parameter.UninitializedParameter))  # lazy modules, before their first call
-        if params > best_params:
-            best, best_params = (name, children), params
-    return best
 
 
 def _checkpoint_repeated_blocks(rec: Any, root: nn.Module) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .file_format import CATEGORIES, KIND_NAMES, Trace
+from ..formats.file_format import CATEGORIES, KIND_NAMES, Trace
 
 __all__ = ["MIN_BATCH_SIZE", "BatchModel", "first_difference", "mismatch"]
 

@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .dtensor_local import NOT_HANDLED, foreach_on_shards
+from ..sharding.dtensor_local import NOT_HANDLED, foreach_on_shards
 from .meta_shapes import SHAPES, tensors_in
 
 __all__ = ["DataDependentError", "MetaValues", "LIMIT_BYTES", "tensors_in"]

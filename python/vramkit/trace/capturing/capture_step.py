@@ -36,14 +36,14 @@ from torch.utils._pytree import tree_flatten
 
 from .autocast_meta import emulate_autocast
 from .capture_hooks import deferred_init, fsdp_buffers, storage_resizes
-from .cpu_offload import offload_on_meta, tag_host
+from ..sharding.cpu_offload import offload_on_meta, tag_host
 from .cuda_choices import CudaChoices, install as install_choices
-from .fake_dist import COLLECTIVE_NAMESPACES, check_rank, collectives_by_step, note_collective, one_rank, \
+from ..sharding.fake_dist import COLLECTIVE_NAMESPACES, check_rank, collectives_by_step, note_collective, one_rank, \
     store_wait_hint
 from .meta_values import DataDependentError, MetaValues, tensors_in
 from .module_tags import LABEL, install_hooks, restore_blocks, tag_all, tag_args
-from .file_format import ALLOC, CATEGORIES, FREE, PHASE, PHASES, STEP, Trace
-from .sharding_changes import ShardingChange, sharding_changed, strategy_of
+from ..formats.file_format import ALLOC, CATEGORIES, FREE, PHASE, PHASES, STEP, Trace
+from ..sharding.sharding_changes import ShardingChange, sharding_changed, strategy_of
 
 __all__ = ["CaptureError", "capture"]
 

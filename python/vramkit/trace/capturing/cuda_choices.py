@@ -38,39 +38,15 @@ Each choice is installed for one capture and removed after it (``install``).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..target.dispatch import CudaChoices
 from .sdpa_rules import Backend, cuda_backend
 
 __all__ = ["CudaChoices", "install"]
-
-
-@dataclass(frozen=True)
-class CudaChoices:
-    """Which CUDA dispatch choices a meta capture makes, for which GPU architecture."""
-
-    dropout: bool = True
-    optimizer: bool = True
-    attention: bool = True
-    arch: tuple[int, int] = (9, 0)  # compute capability of the target GPU (H100: 9.0)
-
-    @classmethod
-    def off(cls) -> "CudaChoices":
-        """Meta as the CPU: a meta capture then equals a CPU capture event for event."""
-        return cls(dropout=False, optimizer=False, attention=False)
-
-    def __post_init__(self) -> None:
-        for name in ("dropout", "optimizer", "attention"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"CudaChoices.{name} must be True or False, got {getattr(self, name)!r}")
-        arch = self.arch
-        if (not isinstance(arch, tuple) or len(arch) != 2 or not all(isinstance(v, int) and 0 <= v < 100 for v in arch)):
-            raise ValueError(f"CudaChoices.arch must be a compute capability (major, minor), e.g. (9, 0) for an "
-                             f"H100 or (8, 0) for an A100, got {arch!r}")
 
 
 # ---------------------------------------------------------------------------------- dropout

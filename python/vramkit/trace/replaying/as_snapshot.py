@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .file_format import ALLOC, FREE, Trace
+from ..formats.file_format import ALLOC, FREE, Trace
 from .replay_sim import Prediction
 
 __all__ = ["prediction_snapshot"]

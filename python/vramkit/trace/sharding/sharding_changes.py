@@ -145,7 +145,7 @@ def _ddp_as_fsdp(stack: contextlib.ExitStack, used: dict[str, int]) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from .fake_dist import _patched
-    from .module_tags import repeated_blocks
+    from .block_stack import repeated_blocks
 
     def init(self: Any, module: nn.Module, *args: Any, **kwargs: Any) -> None:
         used["ddp"] = used.get("ddp", 0) + 1
@@ -279,6 +279,6 @@ def sharding_cost(technique: str, blocks: str) -> str:
 def host_bytes(trace: Any) -> int:
     """Bytes of host memory ("host" storages) the trace holds at its end: with FSDP2's CPU
     offload, the rank's parameter shards, gradients and optimizer state."""
-    from .file_format import CATEGORIES
+    from ..formats.file_format import CATEGORIES
 
     return int(trace.alloc_size[trace.live_at_end() & (trace.alloc_category == CATEGORIES.index("host"))].sum())
