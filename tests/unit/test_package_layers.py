@@ -319,3 +319,13 @@ def test_the_shadowing_check_finds_a_submodule_named_like_an_export(tmp_path):
         "run.py": "", "load/__init__.py": "", "kept.py": "", "other.py": "",
     })
     assert shadowing_submodules(root, "pkg") == ["pkg.load", "pkg.run"]
+
+
+def test_every_subpackage_is_installed():
+    """pyproject.toml lists the packages setuptools installs: a subpackage left off is missing
+    from `pip install .` (the editable install of a checkout would hide it)."""
+    tomllib = pytest.importorskip("tomllib")
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    packages = {m.name for m in walk_package(PACKAGE_DIR, "vramkit").values() if m.is_package}
+    assert packages - listed == set(), f"subpackages pyproject.toml does not install: {sorted(packages - listed)}"
