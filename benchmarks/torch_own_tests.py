@@ -35,16 +35,19 @@ between them. Both set ``PYTORCH_TESTING_DEVICE_ONLY_FOR=cpu`` (unless already s
 - ``checkpoint``/``checkpoint_sequential``/``GradScaler`` names in each test module's globals that
   are torch's objects become ``vramkit.checkpoint.checkpoint``/``checkpoint_sequential`` and
   ``vramkit.amp.GradScaler``;
-- ``torch.utils.checkpoint.checkpoint`` and ``checkpoint_sequential`` become dispatchers: a call
-  from user code (the tests) goes to vramkit, a call from inside torch or vramkit goes to torch's
-  original (vramkit runs on torch's engine and calls torch's function itself);
+- ``torch.utils.checkpoint.checkpoint`` and ``checkpoint_sequential`` become vramkit's, installed
+  in torch's place as a user installs them to reach a library's calls: every call through torch's
+  name goes to vramkit, torch's own included (torch's ``checkpoint_sequential``, which vramkit's
+  runs, calls ``checkpoint`` through that name). vramkit runs on torch's engine through the
+  functions it bound when it was imported, so nothing recurses;
 - ``torch.amp.GradScaler``, ``torch.amp.grad_scaler.GradScaler`` and ``torch.GradScaler`` become
   ``vramkit.amp.GradScaler`` (a subclass that only counts constructions); the deprecated aliases
   ``torch.cuda.amp.GradScaler`` and ``torch.cpu.amp.GradScaler`` become subclasses of it with the
   device preset to "cuda"/"cpu" (as torch's aliases preset it). Everything is restored after the run.
 
-The output also counts the calls that went through vramkit (vramkit's checkpoint calling torch's,
-GradScalers built), and lists tests that never reached vramkit, to show the swap took effect.
+The output also counts the calls that went through vramkit (calls of vramkit's checkpoint and
+checkpoint_sequential, GradScalers built), and lists tests that never reached vramkit, to show the
+swap took effect.
 
 Compatibility shims, applied in both modes alike and listed in the output: names a test file
 imports from ``torch.testing._internal`` that the installed torch renamed or dropped
@@ -122,20 +125,12 @@ COUNTS: collections.Counter = collections.Counter()  # calls that went through v
 
 # ---- worker: one mode, in its own process -------------------------------------------------------------
 
-def _caller_is_library(depth: int = 2) -> bool:
-    name = sys._getframe(depth).f_globals.get("__name__", "")
-    return name == "torch" or name.startswith(("torch.", "vramkit"))
-
-
-def _dispatcher(orig, repl):
-    @functools.wraps(orig)
+def _counted(function, name: str):
+    """vramkit's `function`, counting its calls."""
+    @functools.wraps(function)
     def call(*args, **kwargs):
-        if _caller_is_library():
-            if sys._getframe(1).f_globals.get("__name__", "").startswith("vramkit"):
-                COUNTS[f"vramkit -> torch.utils.checkpoint.{orig.__name__}"] += 1
-            return orig(*args, **kwargs)
-        return repl(*args, **kwargs)
-    call.__vramkit_dispatch__ = (orig, repl)
+        COUNTS[name] += 1
+        return function(*args, **kwargs)
     return call
 
 
@@ -173,8 +168,9 @@ def patch_vramkit(modules: list) -> list:
         setattr(obj, name, value)
 
     vk = vramkit.amp.GradScaler
-    swap = {tuc.checkpoint: vramkit.checkpoint.checkpoint,
-            tuc.checkpoint_sequential: vramkit.checkpoint.checkpoint_sequential,
+    swap = {tuc.checkpoint: _counted(vramkit.checkpoint.checkpoint, "vramkit.checkpoint.checkpoint"),
+            tuc.checkpoint_sequential: _counted(vramkit.checkpoint.checkpoint_sequential,
+                                                "vramkit.checkpoint.checkpoint_sequential"),
             torch.amp.GradScaler: _preset_scaler(vk, None, "VramkitGradScaler"),
             torch.cuda.amp.GradScaler: _preset_scaler(vk, "cuda", "VramkitCudaAmpGradScaler"),
             torch.cpu.amp.GradScaler: _preset_scaler(vk, "cpu", "VramkitCpuAmpGradScaler")}
@@ -185,8 +181,8 @@ def patch_vramkit(modules: list) -> list:
                     put(m, name, swap[value])
             except TypeError:  # unhashable
                 pass
-    put(tuc, "checkpoint", _dispatcher(tuc.checkpoint, swap[tuc.checkpoint]))
-    put(tuc, "checkpoint_sequential", _dispatcher(tuc.checkpoint_sequential, swap[tuc.checkpoint_sequential]))
+    put(tuc, "checkpoint", swap[tuc.checkpoint])  # in torch's place, as users install it
+    put(tuc, "checkpoint_sequential", swap[tuc.checkpoint_sequential])
     for mod in (torch.cuda.amp, sys.modules.get("torch.cuda.amp.grad_scaler"), torch.cpu.amp,
                 sys.modules.get("torch.cpu.amp.grad_scaler"), torch.amp, torch.amp.grad_scaler, torch):
         if mod is not None and getattr(mod, "GradScaler", None) in swap:
@@ -469,8 +465,8 @@ def print_report(src: str, reports: dict, result: dict, sources: dict | None) ->
     print("\nCalls that went through vramkit in mode vramkit: "
           + (", ".join(f"{k}: {n}" for k, n in sorted(calls.items())) or "none"))
     if result["vramkit_not_reached"]:
-        print("Tests run in mode vramkit with no call from vramkit into torch.utils.checkpoint and no vramkit "
-              "GradScaler built (they use only other torch APIs, or vramkit raised before calling torch):")
+        print("Tests run in mode vramkit with no call of vramkit's checkpoint or checkpoint_sequential and no vramkit "
+              "GradScaler built (they use only other torch APIs):")
         for tid in result["vramkit_not_reached"]:
             print(f"  - {tid}")
     if result["skips"]:

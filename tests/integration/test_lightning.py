@@ -250,3 +250,19 @@ def test_bad_input_names_what_is_wrong(tmp_path):
         scale_batch_size(trainer, GPT(), margin=0.1)
     with pytest.raises(TypeError, match="leak_check must be True or False"):
         VramCallback(leak_check="yes")
+
+
+def test_the_default_cap_is_lightnings_own_tuners():
+    """A Lightning user's tuner never tries more than its max_val (8192 in Lightning 2.6);
+    scale_batch_size's default cap, and what its docstring says, is the same: a Lightning that
+    changes its default fails here, so that both are updated together."""
+    import inspect
+
+    from lightning.pytorch.tuner import Tuner
+
+    theirs = inspect.signature(Tuner.scale_batch_size).parameters.get("max_val")
+    ours = inspect.signature(scale_batch_size).parameters["max_batch_size"].default
+    if theirs is None:
+        pytest.skip("this Lightning's Tuner.scale_batch_size has no max_val")
+    assert ours == theirs.default == 8192
+    assert "8192" in (scale_batch_size.__doc__ or "") and "max_val" in (scale_batch_size.__doc__ or "")

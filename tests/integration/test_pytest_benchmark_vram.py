@@ -1,5 +1,5 @@
 """The ``vram`` fixture of vramkit's pytest plugin with the real pytest-benchmark
-(vramkit_pytest, vramkit/survive/pytest_benchmark_vram.py): pytest sessions run through pytest's
+(python/vramkit_pytest/: __init__.py, benchmark_vram.py): pytest sessions run through pytest's
 pytester, their ``--benchmark-json`` read back, the figures compared with ones known without the
 fixture (the pool's documented rounding, or the same function measured directly)."""
 
@@ -32,8 +32,8 @@ import numpy as np  # noqa: E402
 import pytest_benchmark.plugin  # noqa: E402,F401
 import vramkit  # noqa: E402
 import vramkit.numpy as vnp  # noqa: E402
-import vramkit.survive.pytest_benchmark_vram  # noqa: E402,F401
-import vramkit.survive.pytest_plugin  # noqa: E402,F401
+import vramkit.report.sites  # noqa: E402,F401
+import vramkit._core.sizes  # noqa: E402,F401
 
 sys.path.insert(0, os.path.join(REPO, "tests", "unit"))
 from test_pytest_plugin import plugin_under_test  # noqa: E402  (the source tree's plugin, entry point blocked)

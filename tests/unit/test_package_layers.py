@@ -249,6 +249,29 @@ def test_no_submodule_is_named_like_a_name_its_package_exports():
     assert {"capture", "fit", "replay", "load", "predict_ranks"} <= trace_names  # (the parser sees them)
 
 
+PLUGIN_DIR = os.path.join(REPO, "python", "vramkit_pytest")
+
+
+def test_the_pytest_plugin_sits_beside_vramkit_on_survives_layer():
+    """vramkit_pytest (the pytest plugin) is outside the package: its modules import vramkit's
+    units no higher than survive's layer, and its __init__, which pytest loads in every session,
+    imports none of vramkit (the implementation modules import it when a marked test runs)."""
+    with open(ARCHITECTURE, encoding="utf-8") as f:
+        layers = read_layers(f.read())
+    package = walk_package(PACKAGE_DIR, "vramkit")
+    plugin = walk_package(PLUGIN_DIR, "vramkit_pytest")
+    assert set(plugin) == {"vramkit_pytest", "vramkit_pytest.markers", "vramkit_pytest.benchmark_vram"}
+    problems = []
+    for mod in plugin.values():
+        for target, line in imports_of(mod, package, "vramkit"):
+            unit = unit_of(target, layers)
+            if mod.is_package:
+                problems.append(f"{mod.name}:{line} imports {target}: loading the plugin would import vramkit")
+            elif unit is None or layers[unit] > layers["vramkit.survive"]:
+                problems.append(f"{mod.name}:{line} imports {target} ({unit}), above survive's layer")
+    assert not problems, "\n".join(problems)
+
+
 SOURCE_DIRS = ("python", "csrc", "tests", "benchmarks", "examples")
 SOURCE_SUFFIXES = (".py", ".pyi", ".c", ".h", ".cu", ".cuh", ".cpp", ".sh")
 

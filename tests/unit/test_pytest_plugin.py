@@ -1,4 +1,4 @@
-"""vramkit's pytest plugin (vramkit_pytest, vramkit/survive/pytest_plugin.py), run through pytest's own
+"""vramkit's pytest plugin (python/vramkit_pytest/: __init__.py, markers.py), run through pytest's own
 pytester: passing and failing tests, and the failure messages."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ except ImportError:
     pass
 import vramkit  # noqa: E402
 import vramkit.numpy  # noqa: E402,F401  (likewise: the inner runs use them; keep one copy)
-import vramkit.survive.pytest_plugin  # noqa: E402,F401
 import vramkit.report.sites  # noqa: E402,F401
+import vramkit._core.sizes  # noqa: E402,F401
 
 
 def plugin_under_test(pytestconfig) -> tuple[list[str], list]:
@@ -28,16 +28,18 @@ def plugin_under_test(pytestconfig) -> tuple[list[str], list]:
 
     The pytest11 entry point loads the installed vramkit_pytest at start-up; when the tests run
     the source tree's vramkit (tests/conftest.py), an installed copy may be another version, so
-    the source tree's vramkit_pytest.py is loaded instead and the entry point blocked."""
+    the source tree's vramkit_pytest package is loaded instead (under another name, its
+    markers and benchmark_vram modules with it) and the entry point blocked."""
     import importlib.util
 
-    source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(vramkit.__file__))), "vramkit_pytest.py")
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(vramkit.__file__))), "vramkit_pytest")
+    source = os.path.join(folder, "__init__.py")
     loaded = sys.modules.get("vramkit_pytest")
     if not os.path.exists(source) or (loaded is not None and os.path.abspath(loaded.__file__) == source):
         return ([] if pytestconfig.pluginmanager.has_plugin("vramkit") else ["-p", "vramkit_pytest"]), []
     name = "vramkit_pytest_under_test"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, source)
+        spec = importlib.util.spec_from_file_location(name, source, submodule_search_locations=[folder])
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         sys.modules[name] = module
@@ -202,15 +204,17 @@ def test_entry_point_is_declared():
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
         project = tomllib.load(f)
     assert project["project"]["entry-points"]["pytest11"] == {"vramkit": "vramkit_pytest"}
-    assert "vramkit_pytest" in project["tool"]["setuptools"]["py-modules"]
+    assert "vramkit_pytest" in project["tool"]["setuptools"]["packages"]
     # Loading the plugin does not import vramkit (a checkout's conftest picks which one).
     import subprocess
 
-    code = "import sys, vramkit_pytest; print('vramkit' in sys.modules)"
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(sys.modules["vramkit_pytest"].__file__)
-               if "vramkit_pytest" in sys.modules else os.path.join(REPO, "python"))
+    # The source tree's package (PYTHONPATH comes before an installed copy's finder).
+    code = "import sys, vramkit_pytest; print(vramkit_pytest.__file__); print('vramkit' in sys.modules)"
+    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    assert out.stdout.strip() == "False"
+    where, imported = out.stdout.split()
+    assert where == os.path.join(REPO, "python", "vramkit_pytest", "__init__.py")
+    assert imported == "False"
 
 
 UNITTEST_TESTS = """

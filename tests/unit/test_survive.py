@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import vramkit
-from vramkit.survive import find_batch_size, is_out_of_memory
+from vramkit.survive import find_batch_size, out_of_memory_rule
 
 MiB = 1 << 20
 
@@ -158,7 +158,7 @@ def test_torch_out_of_memory_is_recognised_by_type():
     result = find_batch_size(step, device="cpu")
     assert result.batch_size == 37
     assert {a.matched for a in result.attempts if a.outcome == "oom"} == {"torch"}
-    assert is_out_of_memory(torch.cuda.OutOfMemoryError("x")) == "torch"
+    assert out_of_memory_rule(torch.cuda.OutOfMemoryError("x")) == "torch"
 
 
 def test_cupy_out_of_memory_is_recognised_by_type(monkeypatch):
@@ -172,8 +172,8 @@ def test_cupy_out_of_memory_is_recognised_by_type(monkeypatch):
     cupy = types.ModuleType("cupy")
     cupy.cuda = types.SimpleNamespace(memory=types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError))
     monkeypatch.setitem(sys.modules, "cupy", cupy)
-    assert is_out_of_memory(OutOfMemoryError("Out of memory allocating 1,024 bytes")) == "cupy"
-    assert is_out_of_memory(MemoryError("plain")) == "MemoryError"
+    assert out_of_memory_rule(OutOfMemoryError("Out of memory allocating 1,024 bytes")) == "cupy"
+    assert out_of_memory_rule(MemoryError("plain")) == "MemoryError"
 
 
 def test_text_match_is_the_documented_last_resort():
@@ -184,9 +184,9 @@ def test_text_match_is_the_documented_last_resort():
     result = find_batch_size(step, device="cpu")
     assert result.batch_size == 5
     assert {a.matched for a in result.attempts if a.outcome == "oom"} == {"message: CUDA out of memory"}
-    assert is_out_of_memory(RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate")) is not None
-    assert is_out_of_memory(RuntimeError("shape mismatch")) is None
-    assert is_out_of_memory(ValueError("CUDA out of memory")) is None  # only RuntimeErrors
+    assert out_of_memory_rule(RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate")) is not None
+    assert out_of_memory_rule(RuntimeError("shape mismatch")) is None
+    assert out_of_memory_rule(ValueError("CUDA out of memory")) is None  # only RuntimeErrors
 
 
 def test_other_errors_propagate():

@@ -82,6 +82,16 @@ def test_history_names_the_python_line_that_asked_torch_for_memory(lib, routed):
     vramkit.pool_check(routed)
 
 
+def test_torch_own_out_of_memory_error_is_not_vramkit_s():
+    """torch's caching allocator raises torch.OutOfMemoryError with a message that reads like
+    vramkit's; only vramkit's pool's (a plain RuntimeError through the pluggable allocator) counts."""
+    torch = pytest.importorskip("torch")
+    message = "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 79.10 GiB"
+    assert ta.is_vramkit_out_of_memory(RuntimeError(message))
+    assert not ta.is_vramkit_out_of_memory(torch.OutOfMemoryError(message))
+    assert not ta.is_vramkit_out_of_memory(MemoryError(message))
+
+
 def test_out_of_memory_is_a_status_not_a_null(lib, routed):
     out = ctypes.c_void_p()
     before = vramkit.memory_stats(routed)
@@ -89,7 +99,8 @@ def test_out_of_memory_is_a_status_not_a_null(lib, routed):
     assert out.value is None
     message = lib.vram_last_error().decode()
     assert message.startswith(f"{routed} out of memory. Tried to allocate 300.00 MiB.")
-    assert ta.is_out_of_memory(RuntimeError(message)) and not ta.is_out_of_memory(RuntimeError("shape mismatch"))
+    assert ta.is_vramkit_out_of_memory(RuntimeError(message))
+    assert not ta.is_vramkit_out_of_memory(RuntimeError("shape mismatch"))
     after = vramkit.memory_stats(routed)
     assert after["num_ooms"] == before["num_ooms"] + 1 and after["allocated_bytes.all.current"] == 0
     assert lib.vram_torch_malloc(-1, 0, None, ctypes.byref(out)) == 1  # VRAM_ERR_INVALID_ARG

@@ -196,6 +196,10 @@ class GradScaler:
     def __init__(self, device: str | None = None, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True,
                  min_scale: float | None = None, max_scale: float | None = None, hysteresis: int = 1) -> None:
+        if device is not None and not isinstance(device, str) and not isinstance(getattr(device, "type", None), str):
+            raise TypeError(f"GradScaler: device must be None, 'cpu', 'cuda' or 'cuda:N' (a str or torch.device), got "
+                            f"{type(device).__name__} {device!r}; the first argument is the device, so pass "
+                            "init_scale= and the others by keyword")
         self._device = device
         self._enabled = bool(enabled)
         if self._enabled and device is not None and str(device).startswith("cuda") and not _cuda_usable():

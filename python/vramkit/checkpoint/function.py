@@ -12,6 +12,11 @@ the defaults. What vramkit adds before handing over:
   first use (not copied from one version), are reported at the caller's line instead of inside
   vramkit.
 
+It can be installed in torch's place, ``torch.utils.checkpoint.checkpoint =
+vramkit.checkpoint.checkpoint`` (and ``checkpoint_sequential`` likewise), so that code calling
+torch's name (a library's model) gets vramkit's: torch's functions are bound here once, when
+this module is imported, never looked up on ``torch.utils.checkpoint`` at call time.
+
 vramkit's own executor runs only the planner's schedules (``sequential.py``): torch's checkpoint
 reruns a function call, while the planner's schedules keep everything, only the input or nothing
 per stage and per recomputation, in an order that is not a nesting of calls."""
@@ -27,6 +32,25 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils.checkpoint import noop_context_fn
 
 __all__ = ["checkpoint", "noop_context_fn"]
+
+# On each of vramkit's drop-ins: the torch function it calls.
+TORCH_ORIGINAL = "_vramkit_torch_original"
+
+
+def _torch_own(name: str) -> Callable[..., Any]:
+    """torch.utils.checkpoint's `name` as torch defines it. If vramkit's drop-in is in its place
+    already (this module imported again after a user installed the drop-in: a reload, or a test
+    harness that drops vramkit's modules but keeps torch's), the torch function that drop-in
+    calls: binding vramkit's own would make every call recurse until RecursionError."""
+    found = getattr(torch_checkpoint, name)
+    original: Callable[..., Any] = getattr(found, TORCH_ORIGINAL, found)
+    return original
+
+
+# Bound once: a user may put vramkit's functions in torch's place (to reach the calls a library
+# makes through torch's name), and looking torch's up at call time would then find vramkit's.
+torch_own_checkpoint = _torch_own("checkpoint")
+torch_own_checkpoint_sequential = _torch_own("checkpoint_sequential")
 
 
 # ---- torch's default for use_reentrant, read from torch --------------------------------------------
@@ -48,9 +72,9 @@ def torch_default(which: str) -> tuple[bool, tuple[tuple[str, type[Warning]], ..
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if which == "checkpoint":
-                torch_checkpoint.checkpoint(probe, x)
+                torch_own_checkpoint(probe, x)
             else:
-                torch_checkpoint.checkpoint_sequential([probe, probe], 2, x)
+                torch_own_checkpoint_sequential([probe, probe], 2, x)
     except Exception:  # noqa: BLE001 -- a torch that requires the argument: it will say so itself
         return None
     return not runs_under_grad[0], tuple((str(w.message), w.category) for w in caught)
@@ -124,9 +148,12 @@ def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | N
     if reentrant and kwargs:
         raise ValueError(f"checkpoint: unexpected keyword arguments with use_reentrant=True: "
                          f"{', '.join(kwargs)} (keyword arguments to the function need use_reentrant=False)")
-    return torch_checkpoint.checkpoint(function, *args, use_reentrant=reentrant, context_fn=checked_context_fn,
-                                       determinism_check=determinism_check, debug=debug, early_stop=early_stop,
-                                       preserve_rng_state=preserve_rng_state, **kwargs)
+    return torch_own_checkpoint(function, *args, use_reentrant=reentrant, context_fn=checked_context_fn,
+                                determinism_check=determinism_check, debug=debug, early_stop=early_stop,
+                                preserve_rng_state=preserve_rng_state, **kwargs)
+
+
+setattr(checkpoint, TORCH_ORIGINAL, torch_own_checkpoint)
 
 
 def _order_error(functions: Any, segments: Any, input: Any, budget: Any) -> TypeError:

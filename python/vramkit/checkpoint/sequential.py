@@ -25,10 +25,10 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from . import planner as _ck
+from .function import TORCH_ORIGINAL, _order_error, resolve_use_reentrant, torch_own_checkpoint_sequential
 from ..torch.meters import track
 
 __all__ = ["Sequential", "checkpoint_sequential", "profile", "profile_loss"]
@@ -484,8 +484,6 @@ def checkpoint_sequential(functions: Any, segments: int | None = None, input: to
     scalar), when given, is measured too, so the budget covers the memory the loss keeps
     (cross-entropy's softmax); without it that memory comes on top of the budget.
     """
-    from .function import _order_error, resolve_use_reentrant
-
     if isinstance(segments, torch.Tensor):
         raise _order_error(functions, segments, input, budget)
     if budget is not None and segments is not None:
@@ -507,8 +505,8 @@ def checkpoint_sequential(functions: Any, segments: int | None = None, input: to
             raise ValueError("loss_fn= only applies with budget= (segments plans nothing)")
         # torch's equal segments, on torch's engine (its default and warning when use_reentrant is None)
         reentrant = resolve_use_reentrant(use_reentrant, "checkpoint_sequential")
-        out: torch.Tensor = torch_checkpoint.checkpoint_sequential(fns, segments, input, use_reentrant=reentrant,
-                                                                   preserve_rng_state=preserve_rng_state)
+        out: torch.Tensor = torch_own_checkpoint_sequential(fns, segments, input, use_reentrant=reentrant,
+                                                            preserve_rng_state=preserve_rng_state)
         return out
     if use_reentrant is not None and not isinstance(use_reentrant, bool):
         raise TypeError(f"checkpoint_sequential: use_reentrant must be True, False or None, got {use_reentrant!r}")
@@ -525,6 +523,9 @@ def checkpoint_sequential(functions: Any, segments: int | None = None, input: to
         return _plain_forward(fns, input)
     _check_trainable(fns, input)
     return _execute(fns, _plan(fns, input, budget, algorithm, loss_fn), input)
+
+
+setattr(checkpoint_sequential, TORCH_ORIGINAL, torch_own_checkpoint_sequential)  # see function._torch_own
 
 
 def _check_loss_fn(loss_fn: Any) -> None:

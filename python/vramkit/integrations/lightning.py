@@ -111,9 +111,11 @@ def scale_batch_size(trainer: Any, model: Any, datamodule: Any = None, *, batch_
     attribute `batch_arg_name` of the model, its ``hparams``, or the datamodule (every one that
     has it is set, with `apply`). With `effective_batch_size`, only sizes dividing it are tried
     and ``trainer.accumulate_grad_batches`` is set to keep it. `multiple_of`: try only multiples
-    of it. `start`, `max_batch_size` and `margin` (a GPU's fraction to keep free; 0 on the CPU,
-    where no peak is measured) are ``find_batch_size``'s. `datamodule`: the one to fit with (a
-    model without one uses its own ``train_dataloader``).
+    of it. `start` and `margin` (a GPU's fraction to keep free; 0 on the CPU, where no peak is
+    measured) are ``find_batch_size``'s. `max_batch_size`, the largest size tried, is passed on
+    as ``find_batch_size``'s cap; its default, 8192, is Lightning's own tuner's
+    (``Tuner.scale_batch_size(max_val=8192)``), not ``find_batch_size``'s 65536.
+    `datamodule`: the one to fit with (a model without one uses its own ``train_dataloader``).
 
     Each trial fits a fresh Trainer on `trainer`'s accelerator, device, precision and gradient
     clipping for `steps_per_trial` steps, without loggers, checkpoints, callbacks or validation;

@@ -30,8 +30,8 @@ from typing import Any, NoReturn
 from .. import _C
 from .._core.devices import current_device
 from .._core.text_html import TextAsHtml
-from ..memory.api import record_memory_history
 from .._core.sizes import format_size
+from ..memory.api import memory_counters, record_memory_history
 from .notebook_cell import CellMeter, CellReport, known_devices
 from .notebook_display import Timeline
 from .notebook_holders import Output, Survey, clear_last_error, clear_outputs, find_outputs, survey
@@ -238,13 +238,15 @@ class _Magics:
         if args.top < 0:
             raise _usage_error(f"%vram_free: --top must be 0 or more, got {args.top}")
         devices = _devices("%vram_free", args.device)
-        chosen = devices if devices is not None else [d for d in known_devices() if _C.memory_counters(d)[2]]
+        chosen = devices if devices is not None else [d for d in known_devices() if memory_counters(d).reserved]
         before = _counters(chosen)
         # Garbage first: an earlier error's traceback and its frames refer to each other, so
         # once IPython lets go of it only the cycle collector frees it, and no holder would
         # account for that memory.
         gc.collect()
-        collected = {d: before[d][0] - after[0] for d, after in _counters(chosen).items() if before[d][0] > after[0]}
+        allocated_before = {d: allocated for d, (allocated, _) in before.items()}
+        collected = {d: allocated_before[d] - allocated for d, (allocated, _) in _counters(chosen).items()
+                     if allocated_before[d] > allocated}
         outputs = find_outputs(self.shell)
         report = FreeReport(survey(self.shell, outputs, args.top, format_size), counters_before=before,
                             collected=collected)
@@ -257,8 +259,8 @@ class _Magics:
 def _counters(devices: list[str]) -> dict[str, tuple[int, int]]:
     out = {}
     for device in devices:
-        allocated, _, reserved, _ = _C.memory_counters(device)
-        out[device] = (allocated, reserved)
+        counters = memory_counters(device)
+        out[device] = (counters.allocated, counters.reserved)
     return out
 
 

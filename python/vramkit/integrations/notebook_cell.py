@@ -24,6 +24,7 @@ from typing import Any
 from .. import _C
 from .._core.text_html import TextAsHtml
 from .._core.sizes import format_size
+from ..memory.api import MemoryCounters, memory_counters
 
 __all__ = ["CellMeter", "CellReport", "DeviceChange", "known_devices", "signed_size"]
 
@@ -110,13 +111,13 @@ def _torch_cuda() -> Any | None:
         return None
 
 
-def _torch_cuda_counters(cuda: Any) -> dict[str, tuple[int, int, int, int]]:
-    """(allocated, peak allocated, reserved, peak reserved) per CUDA device from torch.cuda;
+def _torch_cuda_counters(cuda: Any) -> dict[str, MemoryCounters]:
+    """The counters of each CUDA device from torch.cuda, named as vramkit's;
     empty where torch's allocator has no such counters (vramkit's hooks in its place: then
     vramkit's cuda:N rows count the same memory)."""
     try:
-        return {f"torch cuda:{i}": (cuda.memory_allocated(i), cuda.max_memory_allocated(i),
-                                    cuda.memory_reserved(i), cuda.max_memory_reserved(i))
+        return {f"torch cuda:{i}": MemoryCounters(cuda.memory_allocated(i), cuda.max_memory_allocated(i),
+                                                  cuda.memory_reserved(i), cuda.max_memory_reserved(i))
                 for i in range(cuda.device_count())}
     except RuntimeError:
         return {}
@@ -133,13 +134,13 @@ class CellMeter:
         self.devices = devices
         self.meter_torch = meter_torch
         self.report = CellReport()
-        self._before: dict[str, tuple[int, int, int, int]] = {}
+        self._before: dict[str, MemoryCounters] = {}
         self._stack = contextlib.ExitStack()
         self._meter: Any = None
 
     def __enter__(self) -> CellMeter:
         for device in self.devices if self.devices is not None else known_devices():
-            self._before[device] = _C.memory_counters(device)
+            self._before[device] = memory_counters(device)
             _C.reset_peak_memory_stats(device)
         cuda = _torch_cuda()
         if cuda is not None:
@@ -158,15 +159,18 @@ class CellMeter:
         self._stack.close()
         self.report = CellReport(self._vramkit_rows() + self._torch_rows(), kind.__name__ if kind else "")
 
-    def _row(self, device: str, after: tuple[int, int, int, int]) -> DeviceChange:
+    def _row(self, device: str, after: MemoryCounters) -> DeviceChange:
         # A device made during the cell (or CUDA initialized by it) had nothing before.
-        before = self._before.get(device, (0, 0, 0, 0))
-        return DeviceChange(device, before[0], after[0], after[1], before[2], after[2], after[3], before[1])
+        before = self._before.get(device, MemoryCounters(0, 0, 0, 0))
+        return DeviceChange(device, allocated_before=before.allocated, allocated_after=after.allocated,
+                            peak_allocated=after.peak_allocated, reserved_before=before.reserved,
+                            reserved_after=after.reserved, peak_reserved=after.peak_reserved,
+                            peak_before=before.peak_allocated)
 
     def _vramkit_rows(self) -> list[DeviceChange]:
         if self.devices is not None:
-            return [self._row(d, _C.memory_counters(d)) for d in self.devices]
-        rows = [self._row(d, _C.memory_counters(d)) for d in known_devices()]
+            return [self._row(d, memory_counters(d)) for d in self.devices]
+        rows = [self._row(d, memory_counters(d)) for d in known_devices()]
         return [r for r in rows if r.used()]
 
     def _torch_rows(self) -> list[DeviceChange]:

@@ -38,6 +38,7 @@ import warnings
 from typing import Any
 
 from .. import _C
+from ..memory.api import memory_counters
 from ..report.sites import format_bytes
 from ..survive.leaks import LeakWatch, LeakWatchWarning
 from ..survive.oom import OomWatch, active, on_oom
@@ -77,8 +78,8 @@ class _Counters:
     def read(self) -> tuple[int, int | None, int, int | None]:
         """(allocated, reserved, peak allocated, peak reserved) in bytes."""
         if self.source == "vramkit":
-            a, peak_a, r, peak_r = _C.memory_counters(f"cuda:{self.index}")
-            return a, r, peak_a, peak_r
+            c = memory_counters(f"cuda:{self.index}")
+            return c.allocated, c.reserved, c.peak_allocated, c.peak_reserved
         cuda = self.torch.cuda
         return (int(cuda.memory_allocated(self.index)), int(cuda.memory_reserved(self.index)),
                 int(cuda.max_memory_allocated(self.index)), int(cuda.max_memory_reserved(self.index)))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import pickle
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from .. import _C
 from .._core.devices import DeviceLike
@@ -17,24 +17,41 @@ from .._core.files import write_atomically
 Buffer = _C.Buffer
 
 
+class MemoryCounters(NamedTuple):
+    """The four counters of one device, read together, in bytes. Code that needs more than
+    one of them reads them by name from here rather than by position from the extension's
+    tuple, whose order (allocated, peak allocated, reserved, peak reserved) is easy to mix up."""
+
+    allocated: int        # memory_allocated
+    peak_allocated: int   # max_memory_allocated
+    reserved: int         # memory_reserved
+    peak_reserved: int    # max_memory_reserved
+
+
+def memory_counters(device: DeviceLike = None) -> MemoryCounters:
+    """memory_allocated, max_memory_allocated, memory_reserved and max_memory_reserved of a
+    device (or a MemPool's name) in one call, as a MemoryCounters."""
+    return MemoryCounters(*_C.memory_counters(device))
+
+
 def memory_allocated(device: DeviceLike = None) -> int:
     """Bytes in blocks handed out and not yet freed (allocated_bytes.all.current)."""
-    return _C.memory_counters(device)[0]
+    return memory_counters(device).allocated
 
 
 def max_memory_allocated(device: DeviceLike = None) -> int:
     """Peak of memory_allocated since start or the last reset_peak_memory_stats()."""
-    return _C.memory_counters(device)[1]
+    return memory_counters(device).peak_allocated
 
 
 def memory_reserved(device: DeviceLike = None) -> int:
     """Bytes held from the device in segments, allocated or cached (reserved_bytes.all.current)."""
-    return _C.memory_counters(device)[2]
+    return memory_counters(device).reserved
 
 
 def max_memory_reserved(device: DeviceLike = None) -> int:
     """Peak of memory_reserved since start or the last reset_peak_memory_stats()."""
-    return _C.memory_counters(device)[3]
+    return memory_counters(device).peak_reserved
 
 
 def reset_peak_memory_stats(device: DeviceLike = None) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 from .. import _C
 from .._core.devices import DeviceLike
 from .._core.text_html import TextAsHtml
+from .api import memory_counters
 
 
 def _format(n: float) -> str:
@@ -60,14 +61,15 @@ class clear_cache(contextlib.ContextDecorator):
         report.freed_bytes += _C.empty_cache(self._device)
 
     def __enter__(self) -> CacheReport:
-        allocated, _, reserved, _ = _C.memory_counters(self._device)
-        self._report = CacheReport(_C.canonical_device(self._device), allocated_before=allocated,
-                                   reserved_before=reserved)
+        before = memory_counters(self._device)
+        self._report = CacheReport(_C.canonical_device(self._device), allocated_before=before.allocated,
+                                   reserved_before=before.reserved)
         self._clean(self._report)
         return self._report
 
     def __exit__(self, *exc: Any) -> None:
         report = self._report
         self._clean(report)
-        report.allocated_after, _, report.reserved_after, _ = _C.memory_counters(self._device)
+        after = memory_counters(self._device)
+        report.allocated_after, report.reserved_after = after.allocated, after.reserved
         report._done = True

@@ -30,6 +30,7 @@ from typing import Any, Iterator
 
 from .. import _C
 from .._core.devices import DeviceLike
+from .api import memory_counters, memory_stats
 
 __all__ = ["MemPool", "use_mem_pool"]
 
@@ -72,21 +73,19 @@ class MemPool:
         return _C.memory_snapshot(self._name)
 
     def memory_stats(self) -> Any:
-        from .api import memory_stats
-
         return memory_stats(self._name)
 
     def memory_allocated(self) -> int:
-        return _C.memory_counters(self._name)[0]
+        return memory_counters(self._name).allocated
 
     def max_memory_allocated(self) -> int:
-        return _C.memory_counters(self._name)[1]
+        return memory_counters(self._name).peak_allocated
 
     def memory_reserved(self) -> int:
-        return _C.memory_counters(self._name)[2]
+        return memory_counters(self._name).reserved
 
     def max_memory_reserved(self) -> int:
-        return _C.memory_counters(self._name)[3]
+        return memory_counters(self._name).peak_reserved
 
     def memory_summary(self, abbreviated: bool = False) -> str:
         return _C.memory_summary(self._name, abbreviated)

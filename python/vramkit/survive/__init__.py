@@ -2,16 +2,17 @@
 
 ``batch_size`` (``find_batch_size``: the largest batch size that fits, by trying it),
 ``leaks`` (``vramkit.watch_leaks``: memory that grows every iteration, and what holds it),
-``smi`` (GPUs and the processes holding their memory, stale ones flagged: ``vramkit smi``) and
-``oom`` (``vramkit.on_oom``: a post-mortem of every out-of-memory) and ``pytest_plugin`` (the
-markers of vramkit's pytest plugin). ``vramkit.leaks`` and
-``vramkit.smi`` stay importable under those names.
+``smi`` (GPUs and the processes holding their memory, stale ones flagged: ``vramkit smi``)
+and ``oom`` (``vramkit.on_oom``: a post-mortem of every out-of-memory). ``vramkit.leaks`` and
+``vramkit.smi`` stay importable under those names. The pytest plugin's markers and ``vram``
+fixture live in the ``vramkit_pytest`` package beside vramkit, which pytest loads without
+importing vramkit.
 """
 
 from __future__ import annotations
 
-from .batch_size import Attempt, BatchSizeResult, find_batch_size, is_out_of_memory
+from .batch_size import Attempt, BatchSizeResult, find_batch_size, out_of_memory_rule
 from .oom import OomDumpWarning, OomWatch, PostMortem, on_oom
 
 __all__ = ["Attempt", "BatchSizeResult", "OomDumpWarning", "OomWatch", "PostMortem", "find_batch_size",
-           "is_out_of_memory", "on_oom"]
+           "on_oom", "out_of_memory_rule"]

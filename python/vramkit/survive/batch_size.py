@@ -43,8 +43,9 @@ from typing import Any, Callable
 
 from .. import _C
 from .._core.text_html import TextAsHtml
+from ..memory.api import memory_counters
 
-__all__ = ["Attempt", "BatchSizeResult", "find_batch_size", "is_out_of_memory"]
+__all__ = ["Attempt", "BatchSizeResult", "find_batch_size", "out_of_memory_rule"]
 
 # torch's allocation failures that reach Python as a plain RuntimeError (older torch, cuBLAS,
 # the CPU allocator): the last resort, after the exception types.
@@ -52,9 +53,11 @@ _OOM_MESSAGES = ("CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "DefaultCPU
                  "HIP out of memory", "MPS backend out of memory")
 
 
-def is_out_of_memory(exc: BaseException) -> str | None:
-    """Why `exc` is an out-of-memory error ("vramkit", "torch", "cupy", "MemoryError" or
-    "message: ..." for the last-resort text match), or None if it is not one."""
+def out_of_memory_rule(exc: BaseException) -> str | None:
+    """The rule by which find_batch_size counts `exc` as running out of memory: "vramkit",
+    "torch", "cupy" or "MemoryError" (its type), or "message: <text>" for the last-resort match
+    of a RuntimeError's message; None when it is no out-of-memory error (find_batch_size then
+    lets it propagate)."""
     from .._core.errors import OutOfMemoryError
 
     if isinstance(exc, OutOfMemoryError):
@@ -87,7 +90,7 @@ class Attempt:
     peak_reserved: int | None  # bytes, on the device measured; None where it cannot be measured
     seconds: float
     error: str = ""  # the first line of the OOM message
-    matched: str = ""  # which rule recognised the OOM (see is_out_of_memory)
+    matched: str = ""  # which rule recognised the OOM (see out_of_memory_rule)
     leaked: int = 0  # bytes still allocated after the attempt and its cleanup, beyond what was before
 
     @property
@@ -162,14 +165,14 @@ class _Meter:
 
     def peak(self) -> int | None:
         if self.kind == "vramkit":
-            return _C.memory_counters(self.device)[3]
+            return memory_counters(self.device).peak_reserved
         if self.kind == "torch":
             return int(sys.modules["torch"].cuda.max_memory_reserved(self.index))
         return None
 
     def allocated(self) -> int | None:
         if self.kind == "vramkit":
-            return _C.memory_counters(self.device)[0]
+            return memory_counters(self.device).allocated
         if self.kind == "torch":
             return int(sys.modules["torch"].cuda.memory_allocated(self.index))
         return None
@@ -202,7 +205,7 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1, max_batch_siz
     """Call ``step(batch_size)`` for growing sizes and return the largest that fits.
 
     `step` runs one or a few representative training steps at that size; an out-of-memory
-    error (see ``is_out_of_memory``) means the size does not fit. `device`: where memory is
+    error (see ``out_of_memory_rule``) means the size does not fit. `device`: where memory is
     measured and released: a vramkit device ("cpu", "cuda:0", "sim:0"), a ``torch.device``
     (torch's CUDA allocator), or "cupy" (CuPy's pool; no peak, so no margin). None: torch's
     current CUDA device if torch is imported and has one, else vramkit's default device.
@@ -302,7 +305,7 @@ def _attempt(step: Callable[[int], Any], bs: int, meter: _Meter, margin: float) 
     try:
         step(bs)
     except BaseException as exc:  # noqa: BLE001 -- classified below; anything but OOM is re-raised
-        why = is_out_of_memory(exc) if isinstance(exc, Exception) else None
+        why = out_of_memory_rule(exc) if isinstance(exc, Exception) else None
         if why is None:
             raise
         outcome, matched = "oom", why

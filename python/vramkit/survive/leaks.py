@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._core.text_html import TextAsHtml
+from ..memory.api import memory_counters
 
 if TYPE_CHECKING:
     from ..torch.meters import _MeterMode
@@ -261,7 +262,7 @@ class LeakWatch(TextAsHtml):
             gc.collect()
         self.steps += 1
         if self.steps > self.warmup:
-            self._pool_after.append(self._C.memory_counters(self.device)[0])
+            self._pool_after.append(memory_counters(self.device).allocated)
             self._torch_after.append(self._meter.current if self._meter is not None else 0)
             if self._meter is not None:
                 self._measure_graphs()

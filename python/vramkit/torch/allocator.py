@@ -22,12 +22,13 @@ What torch shows when vramkit has no memory: ``vramkit_torch_malloc`` throws a C
 ``std::runtime_error`` with vramkit's out-of-memory message, and torch raises it as a Python
 ``RuntimeError`` (not ``torch.OutOfMemoryError``, which only torch's own C++ can raise):
 ``RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of
-...``. ``vramkit.torch.is_out_of_memory(exc)`` tells such errors apart.
+...``. ``vramkit.torch.is_vramkit_out_of_memory(exc)`` tells such errors apart.
 """
 
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 from typing import Any
 
@@ -135,9 +136,16 @@ def _wrap_record_stream(torch: Any) -> None:
     torch.Tensor.record_stream = record_stream
 
 
-def is_out_of_memory(exc: BaseException) -> bool:
-    """True for the RuntimeError torch raises when vramkit's pool had no memory for a tensor."""
-    return isinstance(exc, RuntimeError) and " out of memory. Tried to allocate " in str(exc)
+def is_vramkit_out_of_memory(exc: BaseException) -> bool:
+    """True for the RuntimeError torch raises when vramkit's pool, as torch's CUDA allocator,
+    had no memory for a tensor. False for anything else, torch's own ``torch.OutOfMemoryError``
+    included: that one comes from torch's caching allocator, though its message reads the same.
+    (``vramkit.survive.out_of_memory_rule`` recognises every kind of out-of-memory error.)"""
+    if not isinstance(exc, RuntimeError) or " out of memory. Tried to allocate " not in str(exc):
+        return False
+    torch = sys.modules.get("torch")  # an error from torch means torch is imported
+    torch_own = getattr(torch, "OutOfMemoryError", None)
+    return not (isinstance(torch_own, type) and isinstance(exc, torch_own))
 
 
 def _restore_python_wrappers() -> None:

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["LiveMeter", "SiteMeter", "is_out_of_memory", "track", "use_as_cuda_allocator"]
+__all__ = ["LiveMeter", "SiteMeter", "track", "use_as_cuda_allocator"]
 
 
 def use_as_cuda_allocator() -> Any:
@@ -34,13 +34,6 @@ def use_as_cuda_allocator() -> Any:
     from .allocator import use_as_cuda_allocator as use
 
     return use()
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """True for the RuntimeError torch raises when vramkit's pool had no memory for a tensor."""
-    from .allocator import is_out_of_memory as check
-
-    return check(exc)
 
 
 def _storage(t: Any) -> torch.UntypedStorage | None:

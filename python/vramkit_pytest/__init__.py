@@ -1,9 +1,12 @@
 """The pytest plugin of vramkit, loaded by pytest through the ``pytest11`` entry point "vramkit".
 
 It registers the markers ``vram_limit``, ``vram_no_leak``, ``vram_sim`` and ``vram_benchmark`` and the
-fixtures ``vram_sim`` and ``vram``; the work is in ``vramkit.survive.pytest_plugin`` and
-``vramkit.survive.pytest_benchmark_vram`` (see their docstrings), imported only when a marked test
-runs or a fixture is used, so that loading the plugin does not import vramkit.
+fixtures ``vram_sim`` and ``vram``; the work is in this package's ``markers`` and ``benchmark_vram``
+(see their docstrings), imported only when a marked test runs or a fixture is used, so that
+loading the plugin does not import vramkit. The plugin is a package of its own beside vramkit,
+not inside it, because importing any module of vramkit runs vramkit's ``__init__`` first (the
+extension module, the allocator's facade): all three files live here, and only this one is
+loaded with every pytest session.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ _MARKERS = (
     "timings (peak allocated and reserved into benchmark.extra_info); on 'cpu' NumPy arrays and torch tensors are "
     "measured in one extra untimed call (numpy=False, torch=False leave them out)",
 )
-_BENCHMARK_IMPL = "vramkit.survive.pytest_benchmark_vram"
+_BENCHMARK_IMPL = f"{__name__}.benchmark_vram"
 _BENCHMARK_NOT_ACTIVE = ("the vram fixture puts memory beside pytest-benchmark's timings, but pytest-benchmark is not "
                          "active here (not installed, or disabled with -p no:benchmark): pip install pytest-benchmark, "
                          "or deselect the tests that use vram")
@@ -55,7 +58,7 @@ def pytest_pyfunc_call(pyfuncitem: Any) -> Any:
     if inspect.iscoroutinefunction(pyfuncitem.obj) or inspect.isasyncgenfunction(pyfuncitem.obj):
         raise pytest.UsageError(f"{pyfuncitem.nodeid}: vram_limit / vram_no_leak cannot measure an async test "
                                 "(its body runs in the event loop of an async plugin, not in this call)")
-    from vramkit.survive.pytest_plugin import run_marked
+    from .markers import run_marked
 
     return run_marked(pyfuncitem)
 
@@ -67,7 +70,7 @@ def pytest_runtest_call(item: Any) -> Any:
     if not _marked(item) or _runs_through_pyfunc_call(item):
         yield
         return
-    from vramkit.survive.pytest_plugin import run_marked
+    from .markers import run_marked
 
     original = item.runtest
     item.runtest = lambda: run_marked(item, original)
@@ -80,7 +83,7 @@ def pytest_runtest_call(item: Any) -> Any:
 @pytest.fixture
 def vram_sim(request: Any) -> str:
     """A fresh simulated device ("sim:N") for this test: 8 GiB, or @pytest.mark.vram_sim("24 GiB")."""
-    from vramkit.survive.pytest_plugin import make_sim
+    from .markers import make_sim
 
     return make_sim(request)
 
@@ -90,7 +93,7 @@ def vram(request: Any, benchmark: Any) -> Iterator[Any]:
     """Memory beside time: wraps this test's pytest-benchmark ``benchmark`` so that the benchmarked
     function's peak allocated and reserved bytes land in ``benchmark.extra_info`` (device 'cpu',
     or @pytest.mark.vram_benchmark(device=...), or ``vram.device = ...`` before the call)."""
-    from vramkit.survive.pytest_benchmark_vram import make_vram
+    from .benchmark_vram import make_vram
 
     yield from make_vram(request, benchmark)
 

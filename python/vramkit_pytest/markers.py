@@ -1,7 +1,7 @@
 """vramkit's pytest plugin: the markers' implementation. The plugin pytest loads (through the
-``pytest11`` entry point "vramkit") is the top-level module ``vramkit_pytest``, which imports
-this module only when a marked test runs, so loading the plugin never imports vramkit (a
-source checkout's conftest can still choose which vramkit the tests import).
+``pytest11`` entry point "vramkit") is this package's ``__init__`` (``vramkit_pytest``), which
+imports this module only when a marked test runs, so loading the plugin never imports vramkit
+(a source checkout's conftest can still choose which vramkit the tests import).
 
 Markers::
 
@@ -49,11 +49,14 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from vramkit import _C
+from vramkit.memory.api import memory_counters
+
 __all__ = ["make_sim", "run_marked"]
 
 
 def _size(value: Any, what: str) -> int:
-    from .._core.sizes import parse_size
+    from vramkit._core.sizes import parse_size
 
     if value == 0:
         return 0
@@ -61,8 +64,6 @@ def _size(value: Any, what: str) -> int:
 
 
 def _device(marker: Any) -> str:
-    from .. import _C
-
     device = marker.kwargs.get("device", "cpu")
     try:
         return _C.canonical_device(device)
@@ -90,25 +91,23 @@ class _PoolWatch:
     """Allocated bytes and history of one vramkit device during a test."""
 
     def __init__(self, device: str) -> None:
-        from .. import _C
-
-        self.C, self.device = _C, device
+        self.device = device
         self.was_recording = bool(_C.history_enabled(device))
         if not self.was_recording:
             _C.history_enable(device, 100_000)
-        self.start = _C.memory_counters(device)[0]
+        self.start = memory_counters(device).allocated
         _C.reset_peak_memory_stats(device)
 
     def allocated(self) -> int:
-        return self.C.memory_counters(self.device)[0]
+        return memory_counters(self.device).allocated
 
     def peak_above_start(self) -> int:
-        return max(0, self.C.memory_counters(self.device)[1] - self.start)
+        return max(0, memory_counters(self.device).peak_allocated - self.start)
 
     def sites(self, n: int = 5) -> list[str]:
-        from ..report.sites import allocation_sites, format_bytes
+        from vramkit.report.sites import allocation_sites, format_bytes
 
-        snapshot = self.C.memory_snapshot(self.device)
+        snapshot = _C.memory_snapshot(self.device)
         out = []
         for s in allocation_sites(snapshot)[:n]:
             if s.live_at_peak or s.total_bytes:
@@ -117,7 +116,7 @@ class _PoolWatch:
 
     def close(self) -> None:
         if not self.was_recording:
-            self.C.history_enable(self.device, 0)
+            _C.history_enable(self.device, 0)
 
 
 # ----------------------------------------------------------------------------- the call
@@ -174,7 +173,7 @@ def _counting_numpy(device: str, enabled: bool) -> Iterator[None]:
     if not enabled or device != "cpu":
         yield
         return
-    from .. import numpy as vramkit_numpy
+    from vramkit import numpy as vramkit_numpy
 
     with vramkit_numpy.caching():
         yield
@@ -184,7 +183,7 @@ def _watchers(device: str) -> tuple[_PoolWatch, Any, Any]:
     pool = _PoolWatch(device)
     meter, mode = None, None
     if "torch" in sys.modules:
-        from ..torch.meters import SiteMeter, _MeterMode
+        from vramkit.torch.meters import SiteMeter, _MeterMode
 
         meter = SiteMeter(device.split(":")[0])
         mode = _MeterMode(meter)
@@ -270,7 +269,7 @@ _sim_lock = threading.Lock()
 
 def make_sim(request: Any) -> str:
     """The vram_sim fixture: a fresh simulated device ("sim:N"), 8 GiB or @pytest.mark.vram_sim(capacity)."""
-    from .. import sim
+    from vramkit import sim
 
     marker = request.node.get_closest_marker("vram_sim")
     capacity = marker.args[0] if marker is not None and marker.args else "8 GiB"

@@ -1,7 +1,7 @@
 """Memory beside time in pytest-benchmark: the ``vram`` fixture of vramkit's pytest plugin.
 
-The plugin pytest loads (``vramkit_pytest``) defines the fixture and imports this module only
-when a test uses it::
+The plugin pytest loads (this package's ``__init__``, ``vramkit_pytest``) defines the fixture
+and imports this module only when a test uses it::
 
     def test_sort(benchmark, vram):
         benchmark(np.sort, data)       # extra_info gets vram_peak_allocated, vram_peak_reserved
@@ -48,7 +48,11 @@ from typing import Any, Callable, Iterator, Protocol
 
 import pytest
 
-from .pytest_plugin import _fmt
+from vramkit import _C
+from vramkit._core.errors import VramkitError
+from vramkit.memory import api
+
+from .markers import _fmt
 
 __all__ = ["VramBenchmark", "make_vram", "terminal_summary"]
 
@@ -86,9 +90,6 @@ def _torch_cuda_index(device: str) -> int | None:
 
 
 def _target(device: Any) -> _Target:
-    from .. import _C
-    from .._core.errors import VramkitError
-
     if isinstance(device, bool) or device is None:
         raise _usage(f"bad device {device!r}: use 'cpu', 'cuda:N' or 'sim:N' (the vram_sim fixture's device)")
     try:
@@ -122,21 +123,21 @@ class _Counters(Protocol):
 
 class _PoolCounters:
     def __init__(self, device: str) -> None:
-        from ..memory import api
-
-        self.api, self.device = api, device
+        self.device = device
 
     def empty_cache(self) -> None:
-        self.api.empty_cache(self.device)
+        api.empty_cache(self.device)
 
     def current(self) -> tuple[int, int]:
-        return self.api.memory_allocated(self.device), self.api.memory_reserved(self.device)
+        counters = api.memory_counters(self.device)
+        return counters.allocated, counters.reserved
 
     def peaks(self) -> tuple[int, int]:
-        return self.api.max_memory_allocated(self.device), self.api.max_memory_reserved(self.device)
+        counters = api.memory_counters(self.device)
+        return counters.peak_allocated, counters.peak_reserved
 
     def reset_peak(self) -> None:
-        self.api.reset_peak_memory_stats(self.device)
+        api.reset_peak_memory_stats(self.device)
 
 
 class _TorchCudaCounters:
@@ -227,8 +228,6 @@ def _marker_options(item: Any) -> dict[str, Any]:
 
 def _check_markers(item: Any, device: str) -> None:
     """vram_limit and vram_no_leak read the same peak counters, which the fixture resets."""
-    from .. import _C
-
     for name in ("vram_limit", "vram_no_leak"):
         marker = item.get_closest_marker(name)
         if marker is None:
@@ -285,7 +284,7 @@ class VramBenchmark:
             return False, False
         numpy = self.numpy and "numpy" in sys.modules
         if numpy:
-            from ..numpy import is_installed
+            from vramkit.numpy import is_installed
 
             numpy = not is_installed()  # the timed calls counted the arrays already
         return numpy, self.torch and "torch" in sys.modules
@@ -297,12 +296,12 @@ class VramBenchmark:
         torch_peak: list[int] = []
         with contextlib.ExitStack() as stack:
             if numpy:
-                from ..numpy import caching
+                from vramkit.numpy import caching
 
                 stack.enter_context(caching())
             meter = None
             if torch:
-                from ..torch.meters import SiteMeter, track
+                from vramkit.torch.meters import SiteMeter, track
 
                 meter = stack.enter_context(track(SiteMeter("cpu")))
             yield torch_peak
@@ -400,7 +399,7 @@ def _warm_torch_meter() -> None:
         return
     import torch
 
-    from ..torch.meters import LiveMeter, track
+    from vramkit.torch.meters import LiveMeter, track
 
     with track(LiveMeter()):
         torch.empty(1)
