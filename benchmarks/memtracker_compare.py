@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -48,31 +47,17 @@ CASES = [(m, s) for m in ("gpt", "cnn") for s in ("fsdp2", "fsdp2-no-reshard", "
 WORLD4_CASES = [("gpt", s) for s in ("fsdp2", "fsdp2-no-reshard", "fsdp2-bf16-checkpointed")]
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def measure_each(rank: int, world_size: int, ports: list[int], configs: list[tuple[str, str]], out_dir: str,
-                 repeats: int) -> None:
+def measure_each(rank: int, world_size: int, configs: list[tuple[str, str]], out_dir: str, repeats: int) -> None:
     """One rank of the real job (torch.multiprocessing.spawn's target): sharded_models.measure_rank
-    for each case on its own (its own gloo group and port), timed."""
+    for each case on its own (its own gloo group, and its own FileStore in the case's directory), timed."""
     import sharded_models as sm
 
     times = {}
-    for (model, strategy), port in zip(configs, ports):
+    for model, strategy in configs:
         sub = os.path.join(out_dir, f"{model}-{strategy}")
         os.makedirs(sub, exist_ok=True)
         t0 = time.perf_counter()
-        sm.measure_rank(rank, world_size, port, [(model, strategy)], sub, repeats=repeats)
+        sm.measure_rank(rank, world_size, os.path.join(sub, "store"), [(model, strategy)], sub, repeats=repeats)
         times[f"{model}/{strategy}"] = time.perf_counter() - t0
     with open(os.path.join(out_dir, f"times{rank}.json"), "w") as f:
         json.dump(times, f)
@@ -84,8 +69,7 @@ def real_runs(world_size: int, configs: list[tuple[str, str]], repeats: int) -> 
 
     out = tempfile.mkdtemp(prefix="memtracker_compare")
     t0 = time.perf_counter()
-    mp.spawn(measure_each, args=(world_size, _free_ports(len(configs)), configs, out, repeats), nprocs=world_size,
-             join=True)
+    mp.spawn(measure_each, args=(world_size, configs, out, repeats), nprocs=world_size, join=True)
     print(f"world size {world_size}: real runs {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     ranks = []
     for r in range(world_size):

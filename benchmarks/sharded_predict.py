@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -47,12 +46,9 @@ def gloo_part(world_sizes: list[int]) -> list[str]:
     rows = ["| model | strategy | world | rank | predicted (KiB) | measured storages (KiB) | predicted / measured "
             "| gloo's own copies (KiB) | torch.profiler (KiB) | predicted / profiler |", "|---|---|---|---|---|---|---|---|---|---|"]
     for n in world_sizes:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         out = tempfile.mkdtemp()
         t0 = time.perf_counter()
-        mp.spawn(sm.measure_rank, args=(n, port, configs, out), nprocs=n, join=True)
+        mp.spawn(sm.measure_rank, args=(n, os.path.join(out, "store"), configs, out), nprocs=n, join=True)
         print(f"world size {n}: real runs {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(n)]
         for model, strategy in configs:

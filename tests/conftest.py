@@ -87,3 +87,43 @@ def subprocess_env() -> dict[str, str]:
     if SOURCE_PACKAGE in sys.path:
         env["PYTHONPATH"] = SOURCE_PACKAGE + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+@pytest.fixture
+def hang_guard():
+    """``hang_guard(limit_s, fn, *args, **kwargs)``: fn's return value (or its exception), fn
+    having run on a daemon thread; the test fails if fn has not returned after ``limit_s``
+    seconds, and the failure shows where fn was stuck. A hang guard, not a speed check: the
+    limit is one that only a hang (or quadratic blow-up) reaches, sanitizer builds included.
+    Speed targets live in benchmarks/, never in tests. A thread, not SIGALRM: it also cuts off
+    a wait inside C++ code that releases the GIL (a store's wait, a socket), where a Python
+    signal handler would not run until the wait ended."""
+    import threading
+    import traceback
+
+    def run(limit_s: float, fn, *args, **kwargs):
+        box: dict = {}
+
+        def target() -> None:
+            try:
+                box["value"] = fn(*args, **kwargs)
+            except BaseException as exc:  # re-raised in the test's thread, for pytest.raises
+                box["error"] = exc
+
+        name = getattr(fn, "__name__", repr(fn))
+        thread = threading.Thread(target=target, name=f"hang guard: {name}", daemon=True)
+        thread.start()
+        thread.join(limit_s)
+        if thread.is_alive():
+            frame = sys._current_frames().get(thread.ident)
+            stack = traceback.extract_stack(frame) if frame is not None else []
+            inner = [i for i, f in enumerate(stack) if f.filename == __file__ and f.name == "target"]
+            stack = stack[inner[-1] + 1:] if inner else stack
+            where = "".join(traceback.format_list(stack)) if stack else f"  in {name} itself (not Python code)\n"
+            pytest.fail(f"hang guard: {name} has not returned after {limit_s} s (a hang, or something "
+                        f"pathological); it is still running at:\n{where}", pytrace=False)
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    return run

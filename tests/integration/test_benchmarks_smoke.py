@@ -168,6 +168,16 @@ def test_trace_replay_benchmark_quick():
         assert name in out, out
 
 
+def test_snapshot_import_benchmark_quick():
+    """benchmarks/snapshot_import.py --quick: its checks (events, allocations, attribution, the
+    recorded peak) pass and it prints its four rows. No speed assertions: the linearity the
+    import's test used to time is this benchmark's to report."""
+    out = _run_quick("snapshot_import.py")
+    for stacks in ("shared stacks", "own stacks"):
+        for what in ("per entry", "against unpickling"):
+            assert f"snapshot_import: 30k entries, {stacks}, {what}" in out, out
+
+
 def test_predict_benchmark_quick():
     """benchmarks/predict.py --quick: captures the 1.42B example on meta and checks the
     capture's parameter bytes; no speed assertions."""

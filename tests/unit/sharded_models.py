@@ -124,10 +124,13 @@ def training_step(model_name: str, model: nn.Module, opt: torch.optim.Optimizer,
     return step
 
 
-def measure_rank(rank: int, world_size: int, port: int, configs: list[tuple[str, str]], out_dir: str,
+def measure_rank(rank: int, world_size: int, store_file: str, configs: list[tuple[str, str]], out_dir: str,
                  repeats: int = 3) -> None:
-    """One rank of a real gloo job (torch.multiprocessing.spawn's target). For each (model,
-    strategy): build and run two steps, measured two ways, and write rank<r>.json:
+    """One rank of a real gloo job (torch.multiprocessing.spawn's target). The ranks meet through
+    a FileStore at `store_file`, a path no earlier job used, as PyTorch's own multi-process tests
+    do: no port to choose (a port found free and closed again can be taken by another process
+    before the store binds it). For each (model, strategy): build and run two steps, measured
+    two ways, and write rank<r>.json:
 
     * "storages": vramkit's capture on the CPU (every storage's life, its end seen by a
       finalizer) with the real gloo group: the peak of live storage bytes from nothing to the
@@ -150,9 +153,8 @@ def measure_rank(rank: int, world_size: int, port: int, configs: list[tuple[str,
     import vramkit.trace as vt
     from peaks import profiler_total_peak, total_peak
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, store=dist.FileStore(store_file, world_size))
     results = {}
     try:
         for model, strategy in configs:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -53,12 +52,6 @@ def predict(model: str, strategy: str, world_size: int, rank: int, device: str =
                       rank=rank)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"world{n}")
 def real_runs(request, tmp_path_factory):
     """Each rank's measurements from one real gloo job of `world_size` processes."""
@@ -66,7 +59,7 @@ def real_runs(request, tmp_path_factory):
 
     n = request.param
     out = tmp_path_factory.mktemp(f"gloo{n}")
-    mp.spawn(sm.measure_rank, args=(n, _free_port(), CONFIGS, str(out)), nprocs=n, join=True)
+    mp.spawn(sm.measure_rank, args=(n, str(out / "store"), CONFIGS, str(out)), nprocs=n, join=True)
     return n, [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
 
 
