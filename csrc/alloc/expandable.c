@@ -43,45 +43,6 @@ static void unmapped_unlink(vram__segment_t *seg, vram__block_t *b) {
     b->unmapped = 0;
 }
 
-/* Remove `gone` (the block just before `b`) from the chain; b takes its start. */
-static void absorb_prev(vram_pool_t *pool, vram__block_t *b, vram__block_t *gone) {
-    b->addr = gone->addr;
-    b->size += gone->size;
-    b->prev = gone->prev;
-    if (b->prev) b->prev->next = b;
-    else b->segment->head = b;
-    vram__block_delete(pool, gone);
-}
-
-static void absorb_next(vram_pool_t *pool, vram__block_t *b, vram__block_t *gone) {
-    b->size += gone->size;
-    b->next = gone->next;
-    if (b->next) b->next->prev = b;
-    vram__block_delete(pool, gone);
-}
-
-/* A new block of [addr, addr + size) linked into b's chain after b (after = 1) or before it. */
-static vram__block_t *splice_new(vram_pool_t *pool, vram__block_t *b, uintptr_t addr, uint64_t size, int after) {
-    vram__block_t *n = vram__block_new(pool);
-    n->addr = addr;
-    n->size = size;
-    n->stream = b->stream;
-    n->segment = b->segment;
-    if (after) {
-        n->prev = b;
-        n->next = b->next;
-        if (n->next) n->next->prev = n;
-        b->next = n;
-    } else {
-        n->next = b;
-        n->prev = b->prev;
-        if (n->prev) n->prev->next = n;
-        else b->segment->head = n;
-        b->prev = n;
-    }
-    return n;
-}
-
 /* The size of a new range: 1 1/8 of the device, as PyTorch does, so pages can still be mapped
  * past holes that live blocks pin; larger if one request needs it. Where ranges take this
  * process's address space (cpu) and RLIMIT_AS (`ulimit -v`, common on shared clusters) caps
@@ -132,22 +93,10 @@ static vram_status_t reserve_segment(vram_pool_t *pool, int is_small, vram_strea
         free(seg);
         return status;
     }
-    vram__block_t *b = vram__block_new(pool);
-    b->addr = addr;
-    b->size = size;
-    b->stream = stream;
-    b->segment = seg;
-    seg->addr = addr;
-    seg->size = size;
-    seg->stream = stream;
-    seg->is_small = (uint8_t)is_small;
+    vram__block_t *b = vram__segment_add(pool, seg, addr, size, stream, is_small);
     seg->expandable = 1;
     seg->page = page;
-    seg->head = b;
     unmapped_link(seg, b);
-    seg->next = pool->segments;
-    if (pool->segments) pool->segments->prev = seg;
-    pool->segments = seg;
     *out = b;
     return VRAM_OK;
 }
@@ -169,19 +118,10 @@ static vram_status_t map_block(vram_pool_t *pool, vram__block_t *b, uint64_t siz
     uintptr_t mapped_at = b->addr;
     unmapped_unlink(seg, b);
     if (len < b->size) {
-        unmapped_link(seg, splice_new(pool, b, b->addr + len, b->size - len, 1));
+        unmapped_link(seg, vram__block_splice(pool, b, b->addr + len, b->size - len, 1));
         b->size = len;
     }
-    vram__free_index_t *index = vram__index_for(pool, seg->is_small);
-    if (b->prev && b->prev->in_index) {
-        vram__index_remove(index, b->prev);
-        absorb_prev(pool, b, b->prev);
-    }
-    if (b->next && b->next->in_index) {
-        vram__index_remove(index, b->next);
-        absorb_next(pool, b, b->next);
-    }
-    vram__index_insert(index, b);
+    vram__merge_free(pool, b, NULL);
     seg->mapped += len;
     vram__stat_array_increase(pool->stats.reserved_bytes, seg->is_small, (int64_t)len);
     pool->stats.num_device_alloc++;
@@ -254,18 +194,24 @@ vram_status_t vram__expandable_alloc(vram_pool_t *pool, int is_small, vram_strea
     return status;
 }
 
+/* The next run of mapped blocks from *b on, as [*start, *end), with *b moved past it; 0 when
+ * no mapped block is left. */
+static int next_mapped_run(const vram__segment_t *seg, vram__block_t **b, uintptr_t *start, uintptr_t *end) {
+    while (*b && (*b)->unmapped) *b = (*b)->next;
+    if (!*b) return 0;
+    *start = (*b)->addr;
+    while (*b && !(*b)->unmapped) *b = (*b)->next;
+    *end = *b ? (*b)->addr : seg->addr + seg->size;
+    return 1;
+}
+
 uint64_t vram__expandable_unfaulted(vram_pool_t *pool) {
     uint64_t unfaulted = 0;
     for (vram__segment_t *seg = pool->segments; seg; seg = seg->next) {
         if (!seg->expandable) continue;
-        for (vram__block_t *b = seg->head; b;) {
-            if (b->unmapped) {
-                b = b->next;
-                continue;
-            }
-            uintptr_t start = b->addr;
-            while (b && !b->unmapped) b = b->next;
-            uint64_t len = (b ? b->addr : seg->addr + seg->size) - start, resident = 0;
+        uintptr_t start, end;
+        for (vram__block_t *b = seg->head; next_mapped_run(seg, &b, &start, &end);) {
+            uint64_t len = end - start, resident = 0;
             if (!pool->backend->resident_bytes || pool->backend->resident_bytes(pool->ctx, start, len, &resident) != VRAM_OK)
                 resident = 0; /* cannot tell: count all of it */
             unfaulted += resident < len ? len - resident : 0;
@@ -285,17 +231,19 @@ void vram__expandable_unmap(vram_pool_t *pool, vram__block_t *b, uint64_t contex
     if (pool->backend->range_unmap(pool->ctx, begin, end - begin, seg->page) != VRAM_OK) return;
     vram__free_index_t *index = vram__index_for(pool, seg->is_small);
     vram__index_remove(index, b);
-    if (begin > b->addr) vram__index_insert(index, splice_new(pool, b, b->addr, begin - b->addr, 0));
-    if (end < b->addr + b->size) vram__index_insert(index, splice_new(pool, b, end, b->addr + b->size - end, 1));
+    uintptr_t b_end = b->addr + b->size;
+    if (begin > b->addr) vram__index_insert(index, vram__block_splice(pool, b, b->addr, begin - b->addr, 0));
+    if (end < b_end) vram__index_insert(index, vram__block_splice(pool, b, end, b_end - end, 1));
     b->addr = begin;
     b->size = end - begin;
-    if (b->prev && b->prev->unmapped) {
-        unmapped_unlink(seg, b->prev);
-        absorb_prev(pool, b, b->prev);
-    }
-    if (b->next && b->next->unmapped) {
-        unmapped_unlink(seg, b->next);
-        absorb_next(pool, b, b->next);
+    /* Unmapped blocks are never adjacent: absorb the unmapped neighbours, as freeing absorbs
+     * free ones. */
+    vram__block_t *sides[2] = {b->prev, b->next};
+    for (int i = 0; i < 2; i++) {
+        if (!sides[i] || !sides[i]->unmapped) continue;
+        unmapped_unlink(seg, sides[i]);
+        vram__block_absorb(b, sides[i]);
+        vram__block_delete(pool, sides[i]);
     }
     unmapped_link(seg, b);
     seg->mapped -= end - begin;
@@ -306,11 +254,7 @@ void vram__expandable_unmap(vram_pool_t *pool, vram__block_t *b, uint64_t contex
 
 static void release_segment(vram_pool_t *pool, vram__segment_t *seg) {
     pool->backend->range_release(pool->ctx, seg->addr, seg->size);
-    if (seg->prev) seg->prev->next = seg->next;
-    else pool->segments = seg->next;
-    if (seg->next) seg->next->prev = seg->prev;
-    vram__block_delete(pool, seg->head);
-    free(seg);
+    vram__segment_remove(pool, seg);
 }
 
 void vram__expandable_release_all(vram_pool_t *pool, uint64_t context) {
@@ -326,16 +270,9 @@ void vram__expandable_release_all(vram_pool_t *pool, uint64_t context) {
 }
 
 void vram__expandable_destroy(vram_pool_t *pool, vram__segment_t *seg) {
-    for (vram__block_t *b = seg->head; b;) {
-        if (b->unmapped) {
-            b = b->next;
-            continue;
-        }
-        uintptr_t start = b->addr;
-        while (b && !b->unmapped) b = b->next;
-        uintptr_t end = b ? b->addr : seg->addr + seg->size;
+    uintptr_t start, end;
+    for (vram__block_t *b = seg->head; next_mapped_run(seg, &b, &start, &end);)
         (void)pool->backend->range_unmap(pool->ctx, start, end - start, seg->page);
-    }
     pool->backend->range_release(pool->ctx, seg->addr, seg->size);
 }
 

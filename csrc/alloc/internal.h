@@ -161,6 +161,28 @@ vram__block_t *vram__block_new(vram_pool_t *pool); /* only after a successful re
 void vram__block_delete(vram_pool_t *pool, vram__block_t *block);
 void vram__free_all_blocks(vram_pool_t *pool);
 
+/* segments.c (pool lock held): what classic and expandable segments share. */
+/* Fill in `seg` as [addr, addr + size) on (stream, pool kind), tiled by one new block (not in
+ * the index; needs a reserved block struct), and put it first in the pool's list. Returns the
+ * block. The caller sets what is particular to the segment's layout. */
+vram__block_t *vram__segment_add(vram_pool_t *pool, vram__segment_t *seg, uintptr_t addr, uint64_t size,
+                                 vram_stream_t stream, int is_small);
+/* Take `seg` out of the pool's list and free it with its one remaining block (its backend
+ * memory is the caller's to give back). */
+void vram__segment_remove(vram_pool_t *pool, vram__segment_t *seg);
+/* A new block of [addr, addr + size) linked into block's chain right after it (after = 1) or
+ * right before it; needs a reserved block struct. The caller sets its state. */
+vram__block_t *vram__block_splice(vram_pool_t *pool, vram__block_t *block, uintptr_t addr, uint64_t size, int after);
+/* `block` takes over the range of its neighbour `gone` (block->prev or block->next), which
+ * leaves the chain; the caller takes gone out of the index or list that holds it, then
+ * deletes it. */
+void vram__block_absorb(vram__block_t *block, vram__block_t *gone);
+/* Merge a block that has just become free (in no index) with its free neighbours and put the
+ * result in the index: how both layouts free a block, and how an expandable segment adds
+ * newly mapped pages to the free space around them. Returns how many neighbours it absorbed,
+ * and their bytes through *absorbed_bytes (unless NULL). */
+int vram__merge_free(vram_pool_t *pool, vram__block_t *block, uint64_t *absorbed_bytes);
+
 /* index.c */
 void vram__index_insert(vram__free_index_t *index, vram__block_t *block);
 void vram__index_remove(vram__free_index_t *index, vram__block_t *block);

@@ -125,21 +125,8 @@ static vram_status_t alloc_segment(vram_pool_t *pool, int is_small, vram_stream_
         free(seg);
         return status;
     }
-    vram__block_t *block = vram__block_new(pool);
-    block->addr = addr;
-    block->size = size;
-    block->stream = stream;
-    block->segment = seg;
-    seg->addr = addr;
-    seg->size = size;
-    seg->stream = stream;
-    seg->is_small = (uint8_t)is_small;
+    vram__block_t *block = vram__segment_add(pool, seg, addr, size, stream, is_small);
     seg->oversize = size >= pool->settings.max_split_size;
-    seg->head = block;
-    seg->prev = NULL;
-    seg->next = pool->segments;
-    if (pool->segments) pool->segments->prev = seg;
-    pool->segments = seg;
     if (seg->clean) pool->host.reclaimable_units += size / VRAM__PAGE_UNIT; /* untouched */
 
     vram__stat_array_increase(pool->stats.segment, is_small, 1);
@@ -209,17 +196,9 @@ static vram__block_t *take_block(vram_pool_t *pool, vram__block_t *block, uint64
         split_bytes -= (int64_t)block->size;
     }
     if (should_split(pool, block, rounded)) {
-        vram__block_t *rest = vram__block_new(pool);
-        rest->addr = block->addr + rounded;
-        rest->size = block->size - rounded;
-        rest->stream = block->stream;
-        rest->segment = block->segment;
+        vram__block_t *rest = vram__block_splice(pool, block, block->addr + rounded, block->size - rounded, 1);
         if (block->in_index) vram__index_replace(index, block, rest); /* before block's key changes */
         else vram__index_insert(index, rest);
-        rest->prev = block;
-        rest->next = block->next;
-        if (rest->next) rest->next->prev = rest;
-        block->next = rest;
         block->size = rounded;
         split_count++;
         split_bytes += (int64_t)rest->size;
@@ -317,36 +296,12 @@ vram_status_t vram_calloc(vram_pool_t *pool, uint64_t size, vram_stream_t stream
 /* PyTorch's free_block: merge with free neighbours and put the result in the index. */
 void vram__free_block(vram_pool_t *pool, vram__block_t *block, uint64_t context) {
     int is_small = block->segment->is_small;
-    vram__free_index_t *index = vram__index_for(pool, is_small);
-    uint64_t original_size = block->size;
+    uint64_t original_size = block->size, absorbed_bytes;
     vram__trace(pool, VRAM_TRACE_FREE_COMPLETED, block->addr, block->size, block->stream, context, 0);
-    int64_t split_count = 0, split_bytes = 0;
-    vram__block_t *prev = block->prev, *next = block->next;
-    int merge_prev = prev && prev->in_index, merge_next = next && next->in_index;
-    /* The merged block takes the place in the index of the last neighbour it absorbs. */
-    if (merge_prev) { /* [prev block] -> [block] */
-        split_count--;
-        split_bytes -= (int64_t)prev->size;
-        block->addr = prev->addr;
-        block->size += prev->size;
-        block->prev = prev->prev;
-        if (block->prev) block->prev->next = block;
-        else block->segment->head = block;
-        if (merge_next) vram__index_remove(index, prev);
-        else vram__index_replace(index, prev, block);
-        vram__block_delete(pool, prev);
-    }
-    if (merge_next) { /* [block next] -> [block] */
-        split_count--;
-        split_bytes -= (int64_t)next->size;
-        block->size += next->size;
-        block->next = next->next;
-        if (block->next) block->next->prev = block;
-        vram__index_replace(index, next, block);
-        vram__block_delete(pool, next);
-    }
     block->num_stream_uses = 0;
-    if (!merge_prev && !merge_next) vram__index_insert(index, block);
+    /* Each free neighbour absorbed was a split block: inactive_split loses it. */
+    int64_t split_count = -vram__merge_free(pool, block, &absorbed_bytes);
+    int64_t split_bytes = -(int64_t)absorbed_bytes;
     vram__segment_t *seg = block->segment;
     if (!seg->expandable) {
         if (vram__is_split(block)) {

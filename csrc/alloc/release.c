@@ -21,11 +21,7 @@ void vram__release_block(vram_pool_t *pool, vram__block_t *block, uint64_t conte
     if (seg->oversize) vram__stat_decrease(&pool->stats.oversize_segments, 1);
     pool->stats.num_device_free++;
     vram__trace(pool, VRAM_TRACE_SEGMENT_FREE, seg->addr, seg->size, seg->stream, context, 0);
-    if (seg->prev) seg->prev->next = seg->next;
-    else pool->segments = seg->next;
-    if (seg->next) seg->next->prev = seg->prev;
-    free(seg);
-    vram__block_delete(pool, block);
+    vram__segment_remove(pool, seg); /* block, wholly free, is the segment's only block */
 }
 
 void vram__release_cached_blocks(vram_pool_t *pool, uint64_t context) {

@@ -18,9 +18,11 @@
 #include "../util/address_space.h"
 #include "../util/error.h"
 
+/* Nothing but the simulated streams: host_streams.c's entries serve the ctx as it is. */
 typedef struct cpu_ctx {
     vram__host_streams_t streams;
 } cpu_ctx_t;
+_Static_assert(offsetof(cpu_ctx_t, streams) == 0, "host_streams.c takes the ctx for its streams");
 
 #define SEGMENT_ALIGN ((uintptr_t)2 << 20)
 
@@ -163,58 +165,18 @@ static vram_status_t cpu_mem_info(void *ctx, uint64_t *free_bytes, uint64_t *tot
     return VRAM_OK;
 }
 
-static vram_status_t cpu_synchronize(void *ctx, vram_stream_t stream) {
-    return vram__host_streams_synchronize(&((cpu_ctx_t *)ctx)->streams, stream);
-}
-static vram_status_t cpu_event_record(void *ctx, vram_stream_t stream, void **event) {
-    return vram__host_event_record(&((cpu_ctx_t *)ctx)->streams, stream, event);
-}
-static vram_status_t cpu_event_query(void *ctx, void *event, int *done) {
-    return vram__host_event_query(&((cpu_ctx_t *)ctx)->streams, event, done);
-}
-static vram_status_t cpu_event_synchronize(void *ctx, void *event) {
-    return vram__host_event_synchronize(&((cpu_ctx_t *)ctx)->streams, event);
-}
-static void cpu_event_destroy(void *ctx, void *event) {
-    (void)ctx;
-    vram__host_event_destroy(event);
-}
-static void cpu_destroy(void *ctx) {
-    vram__host_streams_destroy(&((cpu_ctx_t *)ctx)->streams);
-    free(ctx);
-}
-
+/* One line per concern: segments, host pages, streams and events, expandable segments' ranges. */
 static const vram_backend_t cpu_backend = {
     .name = "cpu",
-    .segment_alloc = cpu_segment_alloc,
-    .segment_free = cpu_segment_free,
-    .mem_info = cpu_mem_info,
-    .synchronize = cpu_synchronize,
-    .event_record = cpu_event_record,
-    .event_query = cpu_event_query,
-    .event_synchronize = cpu_event_synchronize,
-    .event_destroy = cpu_event_destroy,
-    .destroy = cpu_destroy,
-    .release_pages = cpu_release_pages,
-    .host_memory = cpu_host_memory,
-    .resident_bytes = cpu_resident_bytes,
-    .range_reserve = cpu_range_reserve,
-    .range_map = cpu_range_map,
-    .range_unmap = cpu_range_unmap,
-    .range_release = cpu_range_release,
-    .address_space = cpu_address_space,
+    .segment_alloc = cpu_segment_alloc, .segment_free = cpu_segment_free, .mem_info = cpu_mem_info,
+    .release_pages = cpu_release_pages, .host_memory = cpu_host_memory, .resident_bytes = cpu_resident_bytes,
+    VRAM__HOST_STREAM_ENTRIES, .destroy = vram__host_ctx_destroy,
+    .range_reserve = cpu_range_reserve, .range_map = cpu_range_map, .range_unmap = cpu_range_unmap,
+    .range_release = cpu_range_release, .address_space = cpu_address_space,
 };
 
 const vram_backend_t *vram_backend_cpu(void) { return &cpu_backend; }
 
 vram_status_t vram_backend_cpu_ctx(void **ctx) {
-    cpu_ctx_t *c = calloc(1, sizeof *c);
-    if (!c) return vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory for the cpu backend");
-    vram_status_t status = vram__host_streams_init(&c->streams);
-    if (status != VRAM_OK) {
-        free(c);
-        return status;
-    }
-    *ctx = c;
-    return VRAM_OK;
+    return vram__host_ctx_new(sizeof(cpu_ctx_t), "the cpu backend", ctx);
 }

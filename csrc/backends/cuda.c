@@ -198,20 +198,14 @@ static void cuda_destroy(void *ctx) {
     free(c);
 }
 
+/* One line per concern: segments, streams, events, expandable segments' ranges. */
 static const vram_backend_t cuda_backend = {
     .name = "cuda",
-    .segment_alloc = cuda_segment_alloc,
-    .segment_free = cuda_segment_free,
-    .mem_info = cuda_mem_info,
-    .synchronize = cuda_synchronize,
-    .event_record = cuda_event_record,
-    .event_query = cuda_event_query,
-    .event_synchronize = cuda_event_synchronize,
+    .segment_alloc = cuda_segment_alloc, .segment_free = cuda_segment_free, .mem_info = cuda_mem_info,
+    .synchronize = cuda_synchronize, .destroy = cuda_destroy,
+    .event_record = cuda_event_record, .event_query = cuda_event_query, .event_synchronize = cuda_event_synchronize,
     .event_destroy = cuda_event_destroy,
-    .destroy = cuda_destroy,
-    .range_reserve = cuda_range_reserve,
-    .range_map = cuda_range_map,
-    .range_unmap = cuda_range_unmap,
+    .range_reserve = cuda_range_reserve, .range_map = cuda_range_map, .range_unmap = cuda_range_unmap,
     .range_release = cuda_range_release,
 };
 

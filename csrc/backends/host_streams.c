@@ -10,16 +10,22 @@ typedef struct host_event {
     uint64_t ticket;
 } host_event_t;
 
-vram_status_t vram__host_streams_init(vram__host_streams_t *hs) {
-    hs->items = NULL;
-    hs->count = hs->capacity = 0;
-    if (vram__mutex_init(&hs->lock) != 0) return vram__fail(VRAM_ERR_HOST_MEMORY, "could not create a mutex");
+vram_status_t vram__host_ctx_new(size_t size, const char *what, void **ctx) {
+    vram__host_streams_t *hs = calloc(1, size);
+    if (!hs) return vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory for %s", what);
+    if (vram__mutex_init(&hs->lock) != 0) {
+        free(hs);
+        return vram__fail(VRAM_ERR_HOST_MEMORY, "could not create a mutex");
+    }
+    *ctx = hs;
     return VRAM_OK;
 }
 
-void vram__host_streams_destroy(vram__host_streams_t *hs) {
+void vram__host_ctx_destroy(void *ctx) {
+    vram__host_streams_t *hs = ctx;
     free(hs->items);
     vram__mutex_destroy(&hs->lock);
+    free(ctx);
 }
 
 /* Lock held. NULL only when growing the table fails. */
@@ -38,7 +44,8 @@ static vram__host_stream_t *find(vram__host_streams_t *hs, vram_stream_t stream,
     return &hs->items[hs->count++];
 }
 
-vram_status_t vram__host_streams_synchronize(vram__host_streams_t *hs, vram_stream_t stream) {
+vram_status_t vram__host_synchronize(void *ctx, vram_stream_t stream) {
+    vram__host_streams_t *hs = ctx;
     vram__lock(&hs->lock);
     for (uint64_t i = 0; i < hs->count; i++)
         if (stream == VRAM_ALL_STREAMS || hs->items[i].stream == stream) hs->items[i].completed = hs->items[i].issued;
@@ -46,7 +53,8 @@ vram_status_t vram__host_streams_synchronize(vram__host_streams_t *hs, vram_stre
     return VRAM_OK;
 }
 
-vram_status_t vram__host_event_record(vram__host_streams_t *hs, vram_stream_t stream, void **event) {
+vram_status_t vram__host_event_record(void *ctx, vram_stream_t stream, void **event) {
+    vram__host_streams_t *hs = ctx;
     host_event_t *e = malloc(sizeof *e);
     if (!e) return vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory for an event");
     vram__lock(&hs->lock);
@@ -64,7 +72,8 @@ vram_status_t vram__host_event_record(vram__host_streams_t *hs, vram_stream_t st
     return VRAM_OK;
 }
 
-vram_status_t vram__host_event_query(vram__host_streams_t *hs, void *event, int *done) {
+vram_status_t vram__host_event_query(void *ctx, void *event, int *done) {
+    vram__host_streams_t *hs = ctx;
     const host_event_t *e = event;
     vram__lock(&hs->lock);
     const vram__host_stream_t *s = find(hs, e->stream, 0);
@@ -73,7 +82,8 @@ vram_status_t vram__host_event_query(vram__host_streams_t *hs, void *event, int 
     return VRAM_OK;
 }
 
-vram_status_t vram__host_event_synchronize(vram__host_streams_t *hs, void *event) {
+vram_status_t vram__host_event_synchronize(void *ctx, void *event) {
+    vram__host_streams_t *hs = ctx;
     const host_event_t *e = event;
     vram__lock(&hs->lock);
     vram__host_stream_t *s = find(hs, e->stream, 0);
@@ -82,4 +92,7 @@ vram_status_t vram__host_event_synchronize(vram__host_streams_t *hs, void *event
     return VRAM_OK;
 }
 
-void vram__host_event_destroy(void *event) { free(event); }
+void vram__host_event_destroy(void *ctx, void *event) {
+    (void)ctx;
+    free(event);
+}

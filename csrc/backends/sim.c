@@ -34,7 +34,7 @@ typedef struct sim_usage {
 } sim_usage_t;
 
 typedef struct sim_ctx {
-    vram__host_streams_t streams;
+    vram__host_streams_t streams; /* first: host_streams.c's entries take the ctx as their own */
     sim_usage_t own_usage;
     sim_usage_t *usage; /* &own_usage, or the device's for a private pool */
     uint64_t *next;     /* the bump pointer: &next_address, or &own_next for a private range */
@@ -46,6 +46,7 @@ typedef struct sim_ctx {
     struct sim_range { uint64_t addr, size; } released[8];
     int num_released;
 } sim_ctx_t;
+_Static_assert(offsetof(sim_ctx_t, streams) == 0, "host_streams.c takes the ctx for its streams");
 
 /* Take `size` bytes of addresses (2 MiB-aligned) from the ctx's range. */
 static vram_status_t draw_addresses(sim_ctx_t *s, uint64_t size, uintptr_t *out) {
@@ -126,41 +127,12 @@ static vram_status_t sim_mem_info(void *ctx, uint64_t *free_bytes, uint64_t *tot
     return VRAM_OK;
 }
 
-static vram_status_t sim_synchronize(void *ctx, vram_stream_t stream) {
-    return vram__host_streams_synchronize(&((sim_ctx_t *)ctx)->streams, stream);
-}
-static vram_status_t sim_event_record(void *ctx, vram_stream_t stream, void **event) {
-    return vram__host_event_record(&((sim_ctx_t *)ctx)->streams, stream, event);
-}
-static vram_status_t sim_event_query(void *ctx, void *event, int *done) {
-    return vram__host_event_query(&((sim_ctx_t *)ctx)->streams, event, done);
-}
-static vram_status_t sim_event_synchronize(void *ctx, void *event) {
-    return vram__host_event_synchronize(&((sim_ctx_t *)ctx)->streams, event);
-}
-static void sim_event_destroy(void *ctx, void *event) {
-    (void)ctx;
-    vram__host_event_destroy(event);
-}
-static void sim_destroy(void *ctx) {
-    vram__host_streams_destroy(&((sim_ctx_t *)ctx)->streams);
-    free(ctx);
-}
-
+/* One line per concern: segments, streams and events, expandable segments' ranges. */
 static const vram_backend_t sim_backend = {
     .name = "sim",
-    .segment_alloc = sim_segment_alloc,
-    .segment_free = sim_segment_free,
-    .mem_info = sim_mem_info,
-    .synchronize = sim_synchronize,
-    .event_record = sim_event_record,
-    .event_query = sim_event_query,
-    .event_synchronize = sim_event_synchronize,
-    .event_destroy = sim_event_destroy,
-    .destroy = sim_destroy,
-    .range_reserve = sim_range_reserve,
-    .range_map = sim_range_map,
-    .range_unmap = sim_range_unmap,
+    .segment_alloc = sim_segment_alloc, .segment_free = sim_segment_free, .mem_info = sim_mem_info,
+    VRAM__HOST_STREAM_ENTRIES, .destroy = vram__host_ctx_destroy,
+    .range_reserve = sim_range_reserve, .range_map = sim_range_map, .range_unmap = sim_range_unmap,
     .range_release = sim_range_release,
 };
 
@@ -171,19 +143,14 @@ static vram_status_t make_ctx(uint64_t total_bytes, int private_range, void **ct
         return vram__fail(VRAM_ERR_INVALID_ARG,
                           "a simulated device needs a capacity between 1 byte and 2**62 bytes; got %llu",
                           (unsigned long long)total_bytes);
-    sim_ctx_t *s = calloc(1, sizeof *s);
-    if (!s) return vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory for a simulated device");
-    vram_status_t status = vram__host_streams_init(&s->streams);
-    if (status != VRAM_OK) {
-        free(s);
-        return status;
-    }
+    vram_status_t status = vram__host_ctx_new(sizeof(sim_ctx_t), "a simulated device", ctx);
+    if (status != VRAM_OK) return status;
+    sim_ctx_t *s = *ctx;
     s->own_usage.capacity = total_bytes;
     s->usage = &s->own_usage;
     s->own_next = SIM_BASE;
     s->next = private_range ? &s->own_next : &next_address;
     s->end = private_range ? SIM_PRIVATE_END : SIM_END;
-    *ctx = s;
     return VRAM_OK;
 }
 

@@ -84,13 +84,13 @@ static inline uint16_t vram__f32_to_bf16(float f) {
  * add the sum of squares of the results to it (float32 per VRAM_AMP_TILE, float64 across). */
 typedef int (*vram__amp_span_fn)(void *data, int64_t n, float factor, int write, double *sumsq);
 
-/* A span entry point that calls NAME##_impl (an always-inline body taking write and sumsq)
- * with write and "sum or not" fixed, so each inlined copy has a branch-free inner loop.
- * ATTR is the SIMD target attribute of the file. */
-#define VRAM__AMP_SPECIALISE(ATTR, NAME)                                                      \
-    ATTR static int NAME(void *data, int64_t n, float factor, int write, double *sumsq) {    \
-        if (!write) return NAME##_impl(data, n, factor, 0, sumsq);                           \
-        return sumsq ? NAME##_impl(data, n, factor, 1, sumsq) : NAME##_impl(data, n, factor, 1, NULL); \
+/* A span entry point NAME for DTYPE that calls BODY(DTYPE, data, n, factor, write, sumsq),
+ * an always-inline body, with write and "sum or not" fixed, so each of the four inlined
+ * copies has a branch-free inner loop. ATTR is the SIMD target attribute of the file. */
+#define VRAM__AMP_SPECIALISE(ATTR, NAME, BODY, DTYPE)                                            \
+    ATTR static int NAME(void *data, int64_t n, float factor, int write, double *sumsq) {       \
+        if (!write) return sumsq ? BODY(DTYPE, data, n, factor, 0, sumsq) : BODY(DTYPE, data, n, factor, 0, NULL); \
+        return sumsq ? BODY(DTYPE, data, n, factor, 1, sumsq) : BODY(DTYPE, data, n, factor, 1, NULL); \
     }
 
 typedef struct vram__amp_path {

@@ -60,46 +60,6 @@ static void list_close(tensor_list_t *l) {
     Py_DECREF(l->seq);
 }
 
-/* What both unscale bindings return: (found_inf, sumsq or None), or the error. */
-static PyObject *unscale_result(vram_status_t st, float found, int want_sumsq, double sumsq) {
-    if (st != VRAM_OK) return vk_raise(st);
-    if (want_sumsq) return Py_BuildValue("(Od)", found != 0.0f ? Py_True : Py_False, sumsq);
-    return Py_BuildValue("(OO)", found != 0.0f ? Py_True : Py_False, Py_None);
-}
-
-/* _C.amp_unscale_check(tensors, inv_scale, want_sumsq) -> (found_inf: bool, sumsq: float | None) */
-static PyObject *amp_unscale_check(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *obj;
-    float inv_scale;
-    int want_sumsq;
-    if (!PyArg_ParseTuple(args, "Ofp:amp_unscale_check", &obj, &inv_scale, &want_sumsq)) return NULL;
-    tensor_list_t l;
-    if (list_open(&l, obj) < 0) return NULL;
-    float found = 0.0f;
-    double sumsq = 0.0;
-    vram_status_t st;
-    Py_BEGIN_ALLOW_THREADS st = vram_amp_unscale_check(l.items, (size_t)l.count, inv_scale, &found,
-                                                        want_sumsq ? &sumsq : NULL);
-    Py_END_ALLOW_THREADS list_close(&l);
-    return unscale_result(st, found, want_sumsq, sumsq);
-}
-
-/* _C.amp_scale_inplace(tensors, factor) */
-static PyObject *amp_scale_inplace(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *obj;
-    float factor;
-    if (!PyArg_ParseTuple(args, "Of:amp_scale_inplace", &obj, &factor)) return NULL;
-    tensor_list_t l;
-    if (list_open(&l, obj) < 0) return NULL;
-    vram_status_t st;
-    Py_BEGIN_ALLOW_THREADS st = vram_amp_scale_inplace(l.items, (size_t)l.count, factor);
-    Py_END_ALLOW_THREADS list_close(&l);
-    if (st != VRAM_OK) return vk_raise(st);
-    Py_RETURN_NONE;
-}
-
 /* ---- strided (not dense) tensors: (data_ptr, dtype_code, shape, strides) tuples ---- */
 
 typedef struct strided_list {
@@ -180,38 +140,89 @@ fail:
     return -1;
 }
 
-/* _C.amp_unscale_check_strided(tensors, inv_scale, want_sumsq) -> (found_inf, sumsq | None) */
-static PyObject *amp_unscale_check_strided(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *obj;
-    float inv_scale;
-    int want_sumsq;
-    if (!PyArg_ParseTuple(args, "Ofp:amp_unscale_check_strided", &obj, &inv_scale, &want_sumsq)) return NULL;
-    strided_list_t l;
-    if (strided_open(&l, obj) < 0) return NULL;
-    float found = 0.0f;
-    double sumsq = 0.0;
-    vram_status_t st;
-    Py_BEGIN_ALLOW_THREADS st = vram_amp_unscale_check_strided(l.items, (size_t)l.count, inv_scale, &found,
-                                                                want_sumsq ? &sumsq : NULL);
-    Py_END_ALLOW_THREADS strided_close(&l);
-    return unscale_result(st, found, want_sumsq, sumsq);
+/* ---- the kernel bindings: one path from a Python tensor list to C, without the GIL ---- */
+
+/* Which C entry point a binding calls, with its scalar arguments and results. */
+typedef enum kernel { UNSCALE_CHECK, SCALE_INPLACE, UNSCALE_CHECK_CUDA, SCALE_INPLACE_CUDA } kernel_t;
+
+typedef struct kernel_call {
+    kernel_t kernel;
+    int strided;   /* tensors are (data_ptr, dtype_code, shape, strides) tuples (CPU kernels only) */
+    float factor;  /* CPU: inv_scale or the factor */
+    float found;   /* CPU unscale: set to 1 when an inf/NaN is found */
+    double *sumsq; /* CPU unscale: the sum of squares, or NULL */
+    unsigned long long factor_ptr, found_ptr, sumsq_ptr, stream; /* CUDA: device pointers, the stream */
+    int device;
+} kernel_call_t;
+
+/* Called without the GIL. */
+static vram_status_t call_dense(kernel_call_t *c, const vram_tensor_t *t, size_t n) {
+    switch (c->kernel) {
+    case UNSCALE_CHECK: return vram_amp_unscale_check(t, n, c->factor, &c->found, c->sumsq);
+    case SCALE_INPLACE: return vram_amp_scale_inplace(t, n, c->factor);
+    case UNSCALE_CHECK_CUDA:
+        return vram_amp_unscale_check_cuda(t, n, (const float *)(uintptr_t)c->factor_ptr,
+                                           (float *)(uintptr_t)c->found_ptr, (double *)(uintptr_t)c->sumsq_ptr,
+                                           (vram_stream_t)c->stream, c->device);
+    case SCALE_INPLACE_CUDA:
+        return vram_amp_scale_inplace_cuda(t, n, (const float *)(uintptr_t)c->factor_ptr, (vram_stream_t)c->stream,
+                                           c->device);
+    }
+    return VRAM_ERR_INVALID_ARG; /* not reached: every kernel is listed */
 }
 
-/* _C.amp_scale_inplace_strided(tensors, factor) */
-static PyObject *amp_scale_inplace_strided(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *obj;
-    float factor;
-    if (!PyArg_ParseTuple(args, "Of:amp_scale_inplace_strided", &obj, &factor)) return NULL;
-    strided_list_t l;
-    if (strided_open(&l, obj) < 0) return NULL;
+static vram_status_t call_strided(kernel_call_t *c, const vram_strided_tensor_t *t, size_t n) {
+    if (c->kernel == UNSCALE_CHECK) return vram_amp_unscale_check_strided(t, n, c->factor, &c->found, c->sumsq);
+    return vram_amp_scale_inplace_strided(t, n, c->factor);
+}
+
+/* Parse `obj` as the call's tensor list and run the call with the GIL released: 0, or -1
+ * with the exception set. */
+static int run_kernel(PyObject *obj, kernel_call_t *c) {
+    tensor_list_t dense;
+    strided_list_t strided;
+    if ((c->strided ? strided_open(&strided, obj) : list_open(&dense, obj)) < 0) return -1;
     vram_status_t st;
-    Py_BEGIN_ALLOW_THREADS st = vram_amp_scale_inplace_strided(l.items, (size_t)l.count, factor);
-    Py_END_ALLOW_THREADS strided_close(&l);
-    if (st != VRAM_OK) return vk_raise(st);
+    Py_BEGIN_ALLOW_THREADS
+    st = c->strided ? call_strided(c, strided.items, (size_t)strided.count)
+                    : call_dense(c, dense.items, (size_t)dense.count);
+    Py_END_ALLOW_THREADS
+    if (c->strided) strided_close(&strided);
+    else list_close(&dense);
+    if (st == VRAM_OK) return 0;
+    vk_raise(st);
+    return -1;
+}
+
+/* _C.amp_unscale_check[_strided](tensors, inv_scale, want_sumsq) -> (found_inf: bool, sumsq: float | None) */
+static PyObject *unscale_check(PyObject *args, int strided) {
+    PyObject *obj;
+    int want_sumsq;
+    double sumsq = 0.0;
+    kernel_call_t c = {.kernel = UNSCALE_CHECK, .strided = strided};
+    if (!PyArg_ParseTuple(args, strided ? "Ofp:amp_unscale_check_strided" : "Ofp:amp_unscale_check", &obj,
+                          &c.factor, &want_sumsq))
+        return NULL;
+    c.sumsq = want_sumsq ? &sumsq : NULL;
+    if (run_kernel(obj, &c) < 0) return NULL;
+    if (want_sumsq) return Py_BuildValue("(Od)", c.found != 0.0f ? Py_True : Py_False, sumsq);
+    return Py_BuildValue("(OO)", c.found != 0.0f ? Py_True : Py_False, Py_None);
+}
+
+/* _C.amp_scale_inplace[_strided](tensors, factor) */
+static PyObject *scale_inplace(PyObject *args, int strided) {
+    PyObject *obj;
+    kernel_call_t c = {.kernel = SCALE_INPLACE, .strided = strided};
+    if (!PyArg_ParseTuple(args, strided ? "Of:amp_scale_inplace_strided" : "Of:amp_scale_inplace", &obj, &c.factor))
+        return NULL;
+    if (run_kernel(obj, &c) < 0) return NULL;
     Py_RETURN_NONE;
 }
+
+static PyObject *amp_unscale_check(PyObject *self, PyObject *args) { (void)self; return unscale_check(args, 0); }
+static PyObject *amp_unscale_check_strided(PyObject *self, PyObject *args) { (void)self; return unscale_check(args, 1); }
+static PyObject *amp_scale_inplace(PyObject *self, PyObject *args) { (void)self; return scale_inplace(args, 0); }
+static PyObject *amp_scale_inplace_strided(PyObject *self, PyObject *args) { (void)self; return scale_inplace(args, 1); }
 
 /* The policy tuple: (growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale). */
 static int parse_policy(PyObject *obj, vram_scale_policy_t *p) {
@@ -259,34 +270,20 @@ static PyObject *amp_check_policy(PyObject *self, PyObject *arg) {
 static PyObject *amp_unscale_check_cuda(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *obj;
-    unsigned long long inv, found, sumsq, stream;
-    int device;
-    if (!PyArg_ParseTuple(args, "OKKKKi:amp_unscale_check_cuda", &obj, &inv, &found, &sumsq, &stream, &device))
+    kernel_call_t c = {.kernel = UNSCALE_CHECK_CUDA};
+    if (!PyArg_ParseTuple(args, "OKKKKi:amp_unscale_check_cuda", &obj, &c.factor_ptr, &c.found_ptr, &c.sumsq_ptr,
+                          &c.stream, &c.device))
         return NULL;
-    tensor_list_t l;
-    if (list_open(&l, obj) < 0) return NULL;
-    vram_status_t st;
-    Py_BEGIN_ALLOW_THREADS st = vram_amp_unscale_check_cuda(l.items, (size_t)l.count, (const float *)(uintptr_t)inv,
-                                                             (float *)(uintptr_t)found, (double *)(uintptr_t)sumsq,
-                                                             (vram_stream_t)stream, device);
-    Py_END_ALLOW_THREADS list_close(&l);
-    if (st != VRAM_OK) return vk_raise(st);
+    if (run_kernel(obj, &c) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
 static PyObject *amp_scale_inplace_cuda(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *obj;
-    unsigned long long factor, stream;
-    int device;
-    if (!PyArg_ParseTuple(args, "OKKi:amp_scale_inplace_cuda", &obj, &factor, &stream, &device)) return NULL;
-    tensor_list_t l;
-    if (list_open(&l, obj) < 0) return NULL;
-    vram_status_t st;
-    Py_BEGIN_ALLOW_THREADS st = vram_amp_scale_inplace_cuda(l.items, (size_t)l.count, (const float *)(uintptr_t)factor,
-                                                             (vram_stream_t)stream, device);
-    Py_END_ALLOW_THREADS list_close(&l);
-    if (st != VRAM_OK) return vk_raise(st);
+    kernel_call_t c = {.kernel = SCALE_INPLACE_CUDA};
+    if (!PyArg_ParseTuple(args, "OKKi:amp_scale_inplace_cuda", &obj, &c.factor_ptr, &c.stream, &c.device)) return NULL;
+    if (run_kernel(obj, &c) < 0) return NULL;
     Py_RETURN_NONE;
 }
 

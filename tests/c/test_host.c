@@ -15,12 +15,14 @@
 
 #include "harness.h"
 #include "../../csrc/backends/host_memory.h"
+#include "../../csrc/backends/host_streams.h"
 
 #define UNIT (2 * MiB)
 #define MAX_ADVISED 4096
 #define MAX_SEGMENTS 64
 
 typedef struct fake_host {
+    vram__host_streams_t streams; /* first: the host backends' stream and event entries use it */
     void *cpu_ctx;
     uint64_t total, mapped;
     uintptr_t seg_addr[MAX_SEGMENTS];
@@ -103,48 +105,26 @@ static vram_status_t fake_mem_info(void *ctx, uint64_t *free_bytes, uint64_t *to
     return status;
 }
 
-static vram_status_t fake_sync(void *ctx, vram_stream_t s) {
-    return vram_backend_cpu()->synchronize(((fake_host_t *)ctx)->cpu_ctx, s);
-}
-static vram_status_t fake_event_record(void *ctx, vram_stream_t s, void **e) {
-    return vram_backend_cpu()->event_record(((fake_host_t *)ctx)->cpu_ctx, s, e);
-}
-static vram_status_t fake_event_query(void *ctx, void *e, int *done) {
-    return vram_backend_cpu()->event_query(((fake_host_t *)ctx)->cpu_ctx, e, done);
-}
-static vram_status_t fake_event_sync(void *ctx, void *e) {
-    return vram_backend_cpu()->event_synchronize(((fake_host_t *)ctx)->cpu_ctx, e);
-}
-static void fake_event_destroy(void *ctx, void *e) {
-    vram_backend_cpu()->event_destroy(((fake_host_t *)ctx)->cpu_ctx, e);
-}
 static void fake_destroy(void *ctx) {
-    fake_host_t *h = ctx;
-    vram_backend_cpu()->destroy(h->cpu_ctx);
-    free(h);
+    vram_backend_cpu()->destroy(((fake_host_t *)ctx)->cpu_ctx);
+    vram__host_ctx_destroy(ctx);
 }
 
+/* Streams and events as the host backends keep them (host_streams.h). */
 static const vram_backend_t fake_backend = {
     .name = "fake-host",
-    .segment_alloc = fake_alloc,
-    .segment_free = fake_free,
-    .mem_info = fake_mem_info,
-    .synchronize = fake_sync,
-    .event_record = fake_event_record,
-    .event_query = fake_event_query,
-    .event_synchronize = fake_event_sync,
-    .event_destroy = fake_event_destroy,
-    .destroy = fake_destroy,
-    .release_pages = fake_release,
-    .host_memory = fake_host_memory,
-    .resident_bytes = fake_resident,
+    .segment_alloc = fake_alloc, .segment_free = fake_free, .mem_info = fake_mem_info,
+    VRAM__HOST_STREAM_ENTRIES, .destroy = fake_destroy,
+    .release_pages = fake_release, .host_memory = fake_host_memory, .resident_bytes = fake_resident,
 };
 
 /* A host pool on a fake machine of `total` bytes. The pool owns the fake; *host peeks at it. */
 static vram_pool_t *make_host_pool(uint64_t total, const char *conf, fake_host_t **host) {
-    fake_host_t *h = calloc(1, sizeof *h);
+    void *ctx = NULL;
     vram_pool_t *pool = NULL;
-    if (!h || vram_backend_cpu_ctx(&h->cpu_ctx) != VRAM_OK) return NULL;
+    if (vram__host_ctx_new(sizeof(fake_host_t), "a fake host", &ctx) != VRAM_OK) return NULL;
+    fake_host_t *h = ctx;
+    if (vram_backend_cpu_ctx(&h->cpu_ctx) != VRAM_OK) return NULL;
     h->total = total;
     if (vram_pool_create(&fake_backend, h, (vram_device_t){VRAM_DEVICE_CPU, 0, 0}, conf, &pool) != VRAM_OK) return NULL;
     *host = h;
