@@ -87,11 +87,16 @@ def bundled_example() -> str:
     Installed, it ships as the package vramkit.examples; in a source checkout run in place
     (PYTHONPATH=python) that package is the repository's examples/ directory.
     """
+    location: str | None
     try:
         from vramkit import examples
 
-        here = os.path.dirname(os.path.abspath(examples.__file__))
+        location = examples.__file__
     except ImportError:
+        location = None
+    if location is not None:
+        here = os.path.dirname(os.path.abspath(location))
+    else:  # (a namespace package has no __file__: treat it as the source checkout)
         import vramkit
 
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(vramkit.__file__))))
