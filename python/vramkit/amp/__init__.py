@@ -18,9 +18,7 @@ Where it departs from PyTorch, on purpose:
 
 from __future__ import annotations
 
-from .loss_scaling import (
-    GradScaler,
-    OptState,
+from .functional import (
     get_num_threads,
     non_finite_check_and_unscale_,
     scale_,
@@ -30,6 +28,7 @@ from .loss_scaling import (
     unscale_and_norm_,
     update_scale_,
 )
+from .loss_scaling import GradScaler, OptState
 
 __all__ = [
     "GradScaler",

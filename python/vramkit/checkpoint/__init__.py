@@ -12,8 +12,8 @@ discretisation), ``"revolve"`` (binomial checkpointing, for homogeneous chains),
 everything).
 
 The torch side loads torch on first use: ``checkpoint`` (``function``: a drop-in for
-``torch.utils.checkpoint.checkpoint``), ``profile``, ``profile_loss``,
-``checkpoint_sequential`` and ``Sequential`` (``sequential``: measure a chain and run a planned
+``torch.utils.checkpoint.checkpoint``), ``profile`` and ``profile_loss`` (``profiling``:
+measure a chain), ``checkpoint_sequential`` and ``Sequential`` (``sequential``: run a planned
 schedule), ``apply``, ``find_blocks`` and ``CheckpointHandle`` (``blocks``: budget-planned
 checkpointing of a model's repeated blocks).
 """
@@ -37,12 +37,13 @@ from .planner import (
 if TYPE_CHECKING:  # loaded lazily at run time (they import torch), see __getattr__
     from .blocks import CheckpointHandle, apply, find_blocks  # noqa: F401
     from .function import checkpoint  # noqa: F401
-    from .sequential import Sequential, checkpoint_sequential, profile, profile_loss  # noqa: F401
+    from .profiling import profile, profile_loss  # noqa: F401
+    from .sequential import Sequential, checkpoint_sequential  # noqa: F401
 
 __all__ = ["ALGORITHMS", "OP_NAMES", "BudgetTooSmallError", "Op", "Schedule", "Stage", "min_budget", "plan", "simulate"]
 
 # The names that need torch, and the module of this package that defines each.
-_TORCH_NAMES = {"profile": "sequential", "profile_loss": "sequential", "checkpoint_sequential": "sequential",
+_TORCH_NAMES = {"profile": "profiling", "profile_loss": "profiling", "checkpoint_sequential": "sequential",
                 "Sequential": "sequential", "checkpoint": "function", "apply": "blocks",
                 "CheckpointHandle": "blocks", "find_blocks": "blocks"}
 

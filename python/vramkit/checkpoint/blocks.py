@@ -33,7 +33,7 @@ from . import planner as _ck
 from . import selective as _sel
 from .choose import block_schedule, choose
 from .function import checkpoint
-from .sequential import _profile
+from .profiling import _profile
 from ..torch.meters import track
 
 __all__ = ["CheckpointHandle", "apply", "find_blocks"]
