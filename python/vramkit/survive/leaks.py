@@ -46,8 +46,10 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._core.sizes import format_size
 from .._core.text_html import TextAsHtml
 from ..memory.api import memory_counters
+from .leak_graphs import GraphWalk, SiteGraphs, chain_length, graph_meter
 
 if TYPE_CHECKING:
     from ..torch.meters import _MeterMode
@@ -55,20 +57,11 @@ __all__ = ["GraphHolder", "LeakReport", "LeakWatch", "LeakWatchWarning", "watch_
 
 _EXPLICIT, _OPTIMIZER = "watch.step()", "optimizer steps"
 _OUTSIDE = "(before the watch)"  # the site of storages created before the block
-_TAG = "vramkit.leak_watch"  # the key of the measurement a watch leaves in a graph node's metadata
-_WALK_CAP = 200_000  # graph nodes one step expands at most (a first walk of a huge graph stays bounded)
 _tokens = itertools.count(1)
 
 
 class LeakWatchWarning(RuntimeWarning):
     """A leak watch ended without enough steps to judge: nothing, or too little, was checked."""
-
-
-def _fmt(n: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 @dataclass
@@ -150,33 +143,19 @@ class LeakReport(TextAsHtml):
                                       ("torch tensors", self.torch_after, self.torch_leaking)):
             if leaking:
                 per = (values[-1] - values[0]) / (len(values) - 1)
-                lines.append(f"  {what}: +{_fmt(per)} per step ({' -> '.join(_fmt(v) for v in values[-6:])})")
+                lines.append(f"  {what}: +{format_size(per)} per step ({' -> '.join(format_size(v) for v in values[-6:])})")
         if self.pool_leaking and self.pool_sites:
             lines.append("  vramkit allocations live, by site:")
             lines += [f"    {s}" for s in self.pool_sites]
         if self.torch_leaking and self.torch_sites:
             lines.append("  torch storages created after the warm-up and still live, by site:")
-            lines += [f"    {_fmt(b):>12}  {s}" for s, b in self.torch_sites]
+            lines += [f"    {format_size(b):>12}  {s}" for s, b in self.torch_sites]
         if self.graph_holders and len(self.graph_after) > 1:
             lines.append("  autograd nodes held by live tensors: "
                          + " -> ".join(f"{n:,}" for n in self.graph_after[-6:]))
         for h in self.graph_holders:
             lines.append(f"  {h}")
         return "\n".join(lines)
-
-
-@dataclass
-class _SiteGraphs:
-    """The graph-holding tensors of one creation site at one step."""
-
-    count: int = 0  # distinct graph roots
-    depth: int = 0  # of the deepest graph
-    nodes: int = 0  # of the deepest graph
-    oldest: int = 0  # the earliest step the deepest graph reaches back to
-    shape: tuple[int, ...] = ()
-    grad_fn: str = ""
-    # other sites whose graphs the deepest one reaches (graph-root ids while measuring, then site names)
-    contains: set[Any] = field(default_factory=set)
 
 
 class LeakWatch(TextAsHtml):
@@ -198,7 +177,7 @@ class LeakWatch(TextAsHtml):
         self.device = _C.canonical_device(device)
         self.warmup, self.tolerance, self.collect, self.auto_step = warmup, tolerance, collect, auto_step
         self.step_source = ""
-        self._meter: Any = None  # the graph meter (a LiveMeter subclass, see _graph_meter) while torch is watched
+        self._meter: Any = None  # the graph meter (a LiveMeter subclass, see graph_meter) while torch is watched
         self._mode: _MeterMode | None = None
         self._was_recording = False
         self._state = "not started"
@@ -216,7 +195,7 @@ class LeakWatch(TextAsHtml):
         self._torch_after: list[int] = []
         self._graph_after: list[int] = []
         self._graph_series: list[dict[str, tuple[int, int]]] = []  # site -> (count, depth), each measured step
-        self._graph_latest: dict[str, _SiteGraphs] = {}
+        self._graph_latest: dict[str, SiteGraphs] = {}
         self._warm: set[int] = set()
 
     def __enter__(self) -> "LeakWatch":
@@ -227,7 +206,7 @@ class LeakWatch(TextAsHtml):
         if "torch" in sys.modules:
             from ..torch.meters import _MeterMode
 
-            self._meter = _graph_meter(self.device.split(":")[0])
+            self._meter = graph_meter(self.device.split(":")[0])
             self._mode = _MeterMode(self._meter)
             self._mode.__enter__()  # type: ignore[no-untyped-call]  # TorchDispatchMode's is unannotated
             if self.auto_step:
@@ -348,15 +327,15 @@ class LeakWatch(TextAsHtml):
         roots: dict[int, tuple[Any, Any]] = {}  # id(grad_fn) -> (grad_fn, a tensor holding it)
         for t in self._meter.graph_tensors():
             roots.setdefault(id(t.grad_fn), (t.grad_fn, t))
-        walk = _GraphWalk(self._token, self.steps, self._tagged, set(roots))
-        sites: dict[str, _SiteGraphs] = {}
+        walk = GraphWalk(self._token, self.steps, self._tagged, set(roots))
+        sites: dict[str, SiteGraphs] = {}
         root_site: dict[int, str] = {}
         total = 0
         for key, (fn, t) in roots.items():
             nodes, depth, oldest, reached = walk.measure(fn)
             total += nodes
             site = root_site[key] = self._site_of(t)
-            s = sites.setdefault(site, _SiteGraphs())
+            s = sites.setdefault(site, SiteGraphs())
             s.count += 1
             if depth > s.depth or s.count == 1:
                 s.depth, s.nodes, s.oldest = depth, nodes, oldest
@@ -405,7 +384,7 @@ class LeakWatch(TextAsHtml):
                 continue  # a loss computed from a carried state: the state's own line is the cause
             # The tensor measured last may be gone (rebinding); the newest one from its line holds the chain now.
             fn = newest.get(site)
-            chain = _chain(fn) if fn is not None and type(fn).__name__ == s.grad_fn else 0
+            chain = chain_length(fn) if fn is not None and type(fn).__name__ == s.grad_fn else 0
             out.append(GraphHolder(site, s.shape, s.grad_fn, s.nodes, max(chain, self.steps - s.oldest + 1)))
         for site in multiplying:
             s = self._graph_latest[site]
@@ -434,119 +413,3 @@ def watch_leaks(device: Any = "cpu", warmup: int = 2, tolerance: int = 0, collec
     return LeakWatch(device, warmup, tolerance, collect, auto_step)
 
 
-class _GraphWalk:
-    """One step's walks over autograd graphs. A walk stops at a node that carries this watch's
-    measurement (made at an earlier step, or earlier in this one), so a graph that grows by k
-    nodes a step costs about k nodes a step to follow, not its whole size."""
-
-    def __init__(self, token: int, step: int, tagged_before: set[int], root_ids: set[int]) -> None:
-        self.token, self.step, self.tagged_before, self.root_ids = token, step, tagged_before, root_ids
-        self.tagged_now: set[int] = set()
-        self.expanded = 0
-
-    def _known(self, node: Any) -> tuple[int, int, int] | None:
-        """(nodes, depth, oldest step) measured earlier on this node, or None."""
-        try:
-            seq = node._sequence_nr()
-        except (AttributeError, RuntimeError):
-            seq = None  # no sequence numbers in this torch: look at every node's metadata
-        if seq is not None and seq not in self.tagged_before and seq not in self.tagged_now:
-            return None
-        try:
-            tag = node.metadata.get(_TAG)
-        except (AttributeError, RuntimeError):
-            return None
-        return tag[1:] if isinstance(tag, tuple) and tag[0] == self.token else None
-
-    def measure(self, root: Any) -> tuple[int, int, int, set[int]]:
-        """(nodes, depth, oldest step, ids of other roots reached) of the graph below `root`,
-        which is then tagged with its figures."""
-        depth_of: dict[int, tuple[int, int]] = {}  # id(node) -> (depth, oldest step)
-        keep = []  # the node wrappers stay alive during the walk, so their ids stay unique
-        reached: set[int] = set()
-        nodes = 0
-        stack: list[tuple[Any, Any]] = [(root, None)]
-        while stack:
-            node, kids = stack.pop()
-            k = id(node)
-            if kids is not None:  # every child is measured: this node is one deeper than the deepest
-                below = [depth_of.get(id(c), (0, self.step)) for c in kids]
-                depth_of[k] = (1 + max((d for d, _ in below), default=0),
-                               min((o for _, o in below), default=self.step))
-                continue
-            if k in depth_of:
-                continue
-            keep.append(node)
-            if k in self.root_ids and node is not root:
-                reached.add(k)
-            known = self._known(node)
-            if known is not None:
-                nodes += known[0]
-                depth_of[k] = (known[1], known[2])
-                continue
-            if self.expanded >= _WALK_CAP:
-                depth_of[k] = (1, self.step)
-                continue
-            self.expanded += 1
-            if type(node).__name__ != "AccumulateGrad":  # leaf accumulators are shared by every step's graph
-                nodes += 1
-            kids = [c for c, _ in getattr(node, "next_functions", ()) if c is not None]
-            stack.append((node, kids))
-            stack.extend((c, None) for c in kids if id(c) not in depth_of)
-        depth, oldest = depth_of[id(root)]
-        self._tag(root, nodes, depth, oldest)
-        return nodes, depth, oldest, reached
-
-    def _tag(self, root: Any, nodes: int, depth: int, oldest: int) -> None:
-        try:
-            root.metadata[_TAG] = (self.token, nodes, depth, oldest)
-            self.tagged_now.add(root._sequence_nr())
-        except (AttributeError, RuntimeError, TypeError):
-            pass
-
-
-def _chain(fn: Any, cap: int = 100_000) -> int:
-    """Length of the chain of nodes of fn's type through their inputs (AddBackward0 over AddBackward0
-    for `total += loss`: one per step), capped."""
-    kind, depth, node, keep = type(fn).__name__, 0, fn, []
-    while node is not None and type(node).__name__ == kind and depth < cap:
-        keep.append(node)
-        depth += 1
-        nexts = [n for n, _ in node.next_functions if n is not None and type(n).__name__ == kind]
-        node = nexts[0] if nexts else None
-    return depth
-
-
-def _graph_meter(device_type: str) -> Any:
-    """A SiteMeter (storage bytes and sites on `device_type`) that also keeps weak references to
-    the tensors the operations inside the block return, on any device: the candidates for
-    holding autograd graphs, found without scanning the garbage collector's objects."""
-    from ..torch.meters import SiteMeter, _tensors
-
-    class GraphMeter(SiteMeter):
-        def __init__(self) -> None:
-            super().__init__(device_type)
-            self.tensors: Any = weakref.WeakValueDictionary()  # id -> tensor; an entry goes when its tensor dies
-
-        def _record(self, args: Any, kwargs: Any, out: Any) -> None:
-            super()._record(args, kwargs, out)
-            for t in _tensors(out):
-                try:
-                    self.tensors[id(t)] = t
-                except TypeError:  # a tensor subclass without weak references
-                    continue
-
-        def graph_tensors(self) -> list[Any]:
-            """Live tensors from operations inside the block that hold an autograd graph (those
-            whose attributes cannot be read, e.g. some nested tensors, are skipped)."""
-            out = []
-            for t in list(self.tensors.values()):
-                try:
-                    if t.grad_fn is not None:
-                        tuple(t.shape)
-                        out.append(t)
-                except (RuntimeError, NotImplementedError, ReferenceError):
-                    continue
-            return out
-
-    return GraphMeter()

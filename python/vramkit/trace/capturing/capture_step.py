@@ -16,7 +16,7 @@ What: after the run, storages are classified by what holds them: parameters and 
 modules seen, their ``.grad`` (at each optimizer step and at the end of each step), optimizer
 state; the rest by phase: a forward allocation still live when the backward starts is a saved
 activation, anything else allocated in a step a temporary, anything made while building an
-input.
+input. The record and that classification are ``recorder.py``; this module runs the step.
 """
 
 from __future__ import annotations
@@ -25,10 +25,8 @@ import contextlib
 import functools
 import threading
 import time
-import weakref
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -40,15 +38,14 @@ from ..sharding.cpu_offload import offload_on_meta, tag_host
 from .cuda_choices import CudaChoices, install as install_choices
 from ..sharding.fake_dist import COLLECTIVE_NAMESPACES, check_rank, collectives_by_step, note_collective, one_rank, \
     store_wait_hint
-from .meta_values import DataDependentError, MetaValues, tensors_in
-from .module_tags import LABEL, install_hooks, restore_blocks, tag_all, tag_args
-from ..formats.file_format import ALLOC, CATEGORIES, FREE, PHASE, PHASES, STEP, Trace
+from .meta_values import MetaValues, tensors_in
+from .module_tags import install_hooks, restore_blocks, tag_all, tag_args
+from .recorder import CATEGORY_INDEX, OTHER, SETUP, Recorder, storage_of, to_trace
+from ..formats.file_format import PHASE, STEP, Trace
 from ..sharding.sharding_changes import ShardingChange, sharding_changed, strategy_of
 
 __all__ = ["CaptureError", "capture"]
 
-_SETUP, _FORWARD, _BACKWARD, _OPTIMIZER, _OTHER = range(len(PHASES))
-_CAT = {name: i for i, name in enumerate(CATEGORIES)}
 PROGRESS_SECONDS = 5.0  # between the progress lines of a long capture
 OPS_BETWEEN_CLOCK_READS = 1024  # (a capture runs tens of thousands of ops a second)
 # One capture at a time: the hooks and the dispatch mode are process-wide.
@@ -60,185 +57,8 @@ class CaptureError(RuntimeError):
     original exception, if any, is the ``__cause__``."""
 
 
-def _storage_of(t: Any) -> torch.UntypedStorage | None:
-    if not isinstance(t, torch.Tensor) or t.is_sparse or t.layout != torch.strided:
-        return None
-    if is_traceable_wrapper_subclass(t):
-        return None  # a DTensor's own "storage" has its global size; its local tensor holds the memory
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-
-
-class _Recorder:
-    """The events of one capture, and the live storages they refer to."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.events: list[tuple[int, int, int]] = []  # (kind, id, size)
-        self.initial: list[int] = []  # ids of storages that existed before the capture
-        self.size: list[int] = []
-        self.dtype: list[str] = []
-        self.module: list[str] = []
-        self.op: list[str] = []
-        self.phase_of: list[int] = []
-        self.category: list[int] = []
-        self.live: dict[int, tuple[int, Any]] = {}  # StorageImpl address -> (id, finalizer)
-        self.open = True
-        self.phase = -1
-        self.step = -1
-        self.backward_seen: set[int] = set()  # steps whose backward has started
-        self.first_backward: dict[int, int] = {}  # step -> event index of its first backward event
-        self.step_of: list[int] = []
-        self.module_stack: list[str] = []
-        self.names: dict[int, str] = {}  # id(module) -> qualified name
-        self.roots: list[weakref.ref[nn.Module]] = []
-        self.optimizers: list[weakref.ref[Any]] = []
-        self.offloaded: weakref.WeakSet[Any] = weakref.WeakSet()  # FSDP2 params with CPUOffloadPolicy (cpu_offload)
-        self.offload_everything = False  # every optimizer parameter offloaded: its step runs on the CPU
-        self.in_optimizer = 0
-        self.lock = threading.RLock()
-        self.checkpoint_blocks: bool | int = False  # True: every repeated block; k: the first k
-        self.checkpoint_total = self.checkpointed_count = 0
-        self.autocast: torch.dtype | None = None  # capture(autocast=...): the forward's autocast dtype
-        self.autocast_device = "cuda"
-        self.region: Any = None
-        self.checkpointed: list[nn.Module] = []
-        self.saved_forwards: list[Any] = []
-        self.thread = threading.get_ident()  # the hooks act only for the capturing thread
-        self.collectives: list[tuple[str, int, int]] | None = None  # a sharded capture's group log
-        self.collective_marks: list[int] = []  # its length at the start of each step
-        self.checkpointed_path = ""
-
-    # ---------------------------------------------------------------- phases
-
-    def current_phase(self) -> int:
-        if torch._C._current_graph_task_id() != -1:
-            return _BACKWARD
-        if self.in_optimizer:
-            return _OPTIMIZER
-        if self.phase == _FORWARD and self.step in self.first_backward:
-            return _OTHER  # after the backward, before the optimizer: clipping, logging
-        return self.phase
-
-    def _mark(self) -> int:
-        phase = self.current_phase()
-        if phase != self._last_marked:
-            self.events.append((PHASE, phase, 0))
-            self._last_marked = phase
-        if phase == _BACKWARD and self.step not in self.first_backward:
-            self.first_backward[self.step] = len(self.events)
-        return phase
-
-    _last_marked = -1
-
-    # ---------------------------------------------------------------- storages
-
-    def module_path(self, phase: int) -> str:
-        if phase == _BACKWARD:
-            node = torch._C._current_autograd_node()
-            if node is not None:
-                try:
-                    # torch declares Node.metadata a method; on the engine's nodes it is a dict property
-                    meta: dict[str, Any] = node.metadata  # type: ignore[assignment]
-                    label: str = meta.get(LABEL, "")
-                    return label
-                except (RuntimeError, AttributeError):
-                    return ""
-            return ""
-        return self.module_stack[-1] if self.module_stack else ""
-
-    def new_storage(self, st: Any, dtype: torch.dtype | str, op: str, initial: bool = False) -> int:
-        key = st._cdata
-        n = int(st.nbytes())
-        with self.lock:
-            i = len(self.size)
-            phase = _SETUP if initial else self._mark()
-            self.size.append(n)
-            self.dtype.append(str(dtype).replace("torch.", ""))
-            self.module.append("" if initial else self.module_path(phase))
-            self.op.append(op)
-            self.phase_of.append(phase)
-            self.step_of.append(self.step)
-            # A CPU tensor in a meta capture (a host-side scalar such as foreach Adam's
-            # torch.tensor(1.0, device="cpu")) is host memory on a GPU run too.
-            host = self.device.type == "meta" and st.device.type == "cpu"
-            self.category.append(_CAT["host"] if host else _CAT["unknown"])
-            if initial:
-                self.initial.append(i)
-            else:
-                self.events.append((ALLOC, i, n))
-            fin = weakref.finalize(st, self._freed, key, i)
-            fin.atexit = False
-            self.live[key] = (i, fin)
-        return i
-
-    def _freed(self, key: int, i: int) -> None:
-        with self.lock:
-            if not self.open:
-                return
-            entry = self.live.get(key)
-            if entry is not None and entry[0] == i:
-                del self.live[key]
-            self._mark()
-            self.events.append((FREE, i, self.size[i]))
-
-    def counts(self, st: Any) -> bool:
-        """Whether a storage is memory of this capture: on its device, or a CPU storage in a
-        meta capture (host memory on a GPU run). A meta tensor in a CPU capture (a script that
-        builds its model on meta before ``to_empty``) holds nothing."""
-        return bool(st.device.type == self.device.type or (self.device.type == "meta" and st.device.type == "cpu"))
-
-    def resized(self, st: Any, dtype: str) -> None:
-        """`st` was resized in place (``UntypedStorage.resize_``: FSDP frees and re-creates its
-        unsharded parameters this way): its old allocation is freed and, if it is not empty
-        now, a new one made, as the allocator does."""
-        with self.lock:
-            entry = self.live.pop(st._cdata, None)
-            if entry is not None:
-                i, fin = entry
-                fin.detach()
-                dtype = self.dtype[i]
-                self._mark()
-                self.events.append((FREE, i, self.size[i]))
-        if int(st.nbytes()):
-            i = self.new_storage(st, dtype, "aten::resize_ (storage)")
-            if self.collectives is not None:  # a sharded capture: FSDP's gathered parameters
-                self.category[i] = _CAT["unsharded_parameter"]
-
-    def id_of(self, st: Any) -> int | None:
-        entry = self.live.get(st._cdata)
-        return entry[0] if entry is not None else None
-
-    def see(self, t: Any, category: str | None = None, module: str | None = None, op: str = "") -> None:
-        """Register a tensor's storage if new (as one that existed before the capture, when not
-        inside a step) and set its category and module path if given."""
-        if isinstance(t, torch.Tensor) and is_traceable_wrapper_subclass(t):
-            for name in t.__tensor_flatten__()[0]:  # DTensor: its local shard
-                self.see(getattr(t, name), category, module, op)
-            return
-        st = _storage_of(t)
-        if st is None or int(st.nbytes()) == 0:
-            return
-        i = self.id_of(st)
-        if i is None:
-            i = self.new_storage(st, t.dtype, op or "(pre-existing)", initial=True)
-        if category is not None:
-            self.category[i] = _CAT[category]
-        if module is not None and not self.module[i]:
-            self.module[i] = module
-
-    def close(self) -> None:
-        with self.lock:
-            self.open = False
-            for _, fin in self.live.values():
-                fin.detach()
-            self.live.clear()
-
-
 class _CaptureMode(TorchDispatchMode):
-    def __init__(self, rec: _Recorder) -> None:
+    def __init__(self, rec: Recorder) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is unannotated
         self.rec = rec
         self.values = MetaValues(origin_of=self._origin) if rec.device.type == "meta" else None
@@ -258,7 +78,7 @@ class _CaptureMode(TorchDispatchMode):
                       f"{f', at {where}' if where else ''}")
 
     def _origin(self, t: torch.Tensor) -> str:
-        st = _storage_of(t)
+        st = storage_of(t)
         i = self.rec.id_of(st) if st is not None else None
         return self.rec.op[i] if i is not None else ""
 
@@ -275,12 +95,12 @@ class _CaptureMode(TorchDispatchMode):
         args_in = tensors_in((args, kwargs)) if self.values is not None else None
         out = func(*args, **kwargs) if self.values is None else self.values.run(func, args, kwargs, args_in)
         outs = _plain(tensors_in(out))
-        fresh = [(t, st) for t in outs if (st := _storage_of(t)) is not None and rec.counts(st)]
+        fresh = [(t, st) for t in outs if (st := storage_of(t)) is not None and rec.counts(st)]
         if not fresh:
             return out
         ins = _plain(tensors_in((args, kwargs)) if args_in is None else args_in)
         for t in ins:
-            st = _storage_of(t)
+            st = storage_of(t)
             if st is not None and rec.id_of(st) is None and int(st.nbytes()) and rec.counts(st):
                 # Made outside any operation we saw (torch.tensor from Python data, from_numpy):
                 # it counts from the moment it is first used.
@@ -290,7 +110,7 @@ class _CaptureMode(TorchDispatchMode):
             if rec.id_of(st) is None and int(st.nbytes()):
                 i = rec.new_storage(st, t.dtype, name)
                 if func.namespace == "fsdp":  # FSDP2's all_gather_copy_in: its collective's buffers
-                    rec.category[i] = _CAT["communication"]
+                    rec.category[i] = CATEGORY_INDEX["communication"]
         return out
 
 
@@ -321,51 +141,6 @@ def _check_devices(objs: Any, device: torch.device) -> None:
                     f"a {what} passed to capture() has tensors on {t.device}, but the capture device is "
                     f"{device}: build the model and inputs on it (e.g. inside `with torch.device({device.type!r}):`) "
                     "or pass a builder that creates them (see vramkit.trace.capture)")
-
-
-# -------------------------------------------------------------------------------- classify
-
-
-def _classify(rec: _Recorder) -> np.ndarray:
-    cat = np.array(rec.category, dtype=np.uint8)
-    phase = np.array(rec.phase_of, dtype=np.int64)
-    step = np.array(rec.step_of, dtype=np.int64)
-    unknown = cat == _CAT["unknown"]
-    n = len(rec.size)
-    # Where each allocation's FREE falls, to tell saved activations from forward temporaries.
-    free_at = np.full(n, np.iinfo(np.int64).max, np.int64)
-    alloc_at = np.full(n, -1, np.int64)
-    for pos, (kind, i, _) in enumerate(rec.events):
-        if kind == FREE:
-            free_at[i] = pos
-        elif kind == ALLOC:
-            alloc_at[i] = pos
-    first_bwd = np.array([rec.first_backward.get(int(s), np.iinfo(np.int64).max) for s in step], np.int64)
-    fwd = unknown & (phase == _FORWARD)
-    activation = fwd & (free_at >= first_bwd) & (first_bwd < np.iinfo(np.int64).max)
-    cat[activation] = _CAT["activation"]
-    cat[unknown & ~activation & (phase != _SETUP)] = _CAT["temporary"]
-    cat[unknown & (phase == _SETUP)] = _CAT["input"]
-    if rec.offload_everything:  # FSDP2's CPUOffloadPolicy: the optimizer step runs on the CPU
-        cat[unknown & (phase == _OPTIMIZER)] = _CAT["host"]
-    return cat
-
-
-def _to_trace(rec: _Recorder, meta: dict[str, Any]) -> Trace:
-    category = _classify(rec)
-    # Storages that existed before the capture come first, as allocations at the very start.
-    events = [(ALLOC, i, rec.size[i]) for i in rec.initial] + rec.events
-    strings: dict[str, dict[str, int]] = {"dtypes": {}, "modules": {}, "ops": {}}
-
-    def index(table: str, values: list[str]) -> np.ndarray:
-        t = strings[table]
-        return np.array([t.setdefault(v, len(t)) if v else -1 for v in values], dtype=np.int64)
-
-    arr = np.array(events, dtype=np.int64).reshape(-1, 3)
-    return Trace.from_columns(
-        kind=arr[:, 0], id=arr[:, 1], size=arr[:, 2].astype(np.uint64), alloc_dtype=index("dtypes", rec.dtype),
-        alloc_category=category, alloc_module=index("modules", rec.module), alloc_op=index("ops", rec.op),
-        dtypes=list(strings["dtypes"]), modules=list(strings["modules"]), ops=list(strings["ops"]), meta=meta)
 
 
 # -------------------------------------------------------------------------------- capture
@@ -447,7 +222,7 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
                         f"{sharding!r}" + ("" if world_size is not None else " without world_size"))
     if not _ACTIVE.acquire(blocking=False):
         raise RuntimeError("another vramkit.trace.capture is running in this process; captures cannot nest")
-    rec = _Recorder(dev)
+    rec = Recorder(dev)
     rec.checkpoint_blocks = checkpoint_blocks
     rec.autocast, rec.autocast_device = autocast, ("cuda" if dev.type == "meta" else "cpu")
     hooks = install_hooks(rec)
@@ -519,7 +294,7 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
         if dev.type == "meta":
             info["cuda_choices"] = {"dropout": cuda.dropout, "optimizer": cuda.optimizer, "attention": cuda.attention,
                                     "arch": f"{cuda.arch[0]}.{cuda.arch[1]}"}
-        return _to_trace(rec, info)
+        return to_trace(rec, info)
     finally:
         for h in hooks:
             h.remove()
@@ -528,7 +303,7 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
         _ACTIVE.release()
 
 
-def _buckets(rec: _Recorder, tensors: list[torch.Tensor]) -> None:
+def _buckets(rec: Recorder, tensors: list[torch.Tensor]) -> None:
     for t in tensors:
         rec.see(t, "ddp_bucket")
 
@@ -544,31 +319,31 @@ def _call(fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
                            f"{store_wait_hint(exc)}") from exc
 
 
-def _begin_step(rec: _Recorder) -> None:
+def _begin_step(rec: Recorder) -> None:
     if rec.collectives is not None:
         rec.collective_marks.append(len(rec.collectives))
     rec.step += 1
-    rec.phase = _OTHER
+    rec.phase = OTHER
     rec.module_stack.clear()
     rec.events.append((STEP, rec.step, 0))
 
 
-def _end_step(rec: _Recorder) -> None:
+def _end_step(rec: Recorder) -> None:
     rec.module_stack.clear()
     tag_all(rec)
     tag_host(rec)  # (after tag_all: FSDP2's offloaded shards, gradients and states are host memory)
 
 
-def _refile_as_setup(rec: _Recorder) -> None:
+def _refile_as_setup(rec: Recorder) -> None:
     """The first call was a builder: everything it recorded belongs to the setup phase."""
-    events = [(PHASE, _SETUP, 0)]
+    events = [(PHASE, SETUP, 0)]
     for kind, value, size in rec.events:
         if kind not in (PHASE, STEP):
             events.append((kind, value, size))
     rec.events = events
-    rec._last_marked = _SETUP
+    rec._last_marked = SETUP
     rec.first_backward.clear()
     for i in range(len(rec.phase_of)):
         if rec.step_of[i] == 0:
-            rec.phase_of[i] = _SETUP
+            rec.phase_of[i] = SETUP
             rec.step_of[i] = -1

@@ -9,7 +9,7 @@
 * Options of a capture: checkpointing the model's repeated blocks, and an autocast region
   around the model's forward (entered and left by the root module's hooks).
 
-``rec`` is the capture's recorder (``capture_step._Recorder``).
+``rec`` is the capture's recorder (``recorder.Recorder``).
 """
 
 from __future__ import annotations
