@@ -50,9 +50,8 @@ import pytest
 
 from vramkit import _C
 from vramkit._core.errors import VramkitError
+from vramkit._core.sizes import format_size
 from vramkit.memory import api
-
-from .markers import _fmt
 
 __all__ = ["VramBenchmark", "make_vram", "terminal_summary"]
 
@@ -462,7 +461,7 @@ def _time(seconds: float) -> str:
 
 
 def _size_cell(peaks: dict[str, Any], key: str) -> str:
-    return _fmt(peaks[key]) if key in peaks else "-"
+    return format_size(peaks[key]) if key in peaks else "-"
 
 
 def _table(rows: list[tuple[Any, str, dict[str, Any]]]) -> list[list[str]]:

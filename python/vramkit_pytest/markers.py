@@ -50,14 +50,13 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from vramkit import _C
+from vramkit._core.sizes import format_size, parse_size
 from vramkit.memory.api import memory_counters
 
 __all__ = ["make_sim", "run_marked"]
 
 
 def _size(value: Any, what: str) -> int:
-    from vramkit._core.sizes import parse_size
-
     if value == 0:
         return 0
     return parse_size(value, what)
@@ -71,17 +70,10 @@ def _device(marker: Any) -> str:
         raise pytest.UsageError(f"@pytest.mark.{marker.name}: bad device {device!r}: {exc}") from None
 
 
-def _fmt(n: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 # ----------------------------------------------------------------------------- torch storages
 
 def _top(sites: dict[str, int], n: int = 5) -> list[str]:
-    return [f"  {_fmt(b):>12}  {s}" for s, b in sorted(sites.items(), key=lambda kv: -kv[1])[:n] if b > 0]
+    return [f"  {format_size(b):>12}  {s}" for s, b in sorted(sites.items(), key=lambda kv: -kv[1])[:n] if b > 0]
 
 
 # ----------------------------------------------------------------------------- vramkit pools
@@ -207,14 +199,14 @@ def _run_limited(body: Callable[[], bool], marker: Any) -> None:
         pool_peak = pool.peak_above_start()
         problems = []
         if pool_peak > limit:
-            problems.append(f"vramkit's {device} pool peaked at {_fmt(pool_peak)} allocated above the "
-                            f"{_fmt(pool.start)} it started with; top allocation sites, by bytes live at the peak:\n"
+            problems.append(f"vramkit's {device} pool peaked at {format_size(pool_peak)} allocated above the "
+                            f"{format_size(pool.start)} it started with; top allocation sites, by bytes live at the peak:\n"
                             + "\n".join(pool.sites()))
         if meter is not None and meter.peak > limit:
-            problems.append(f"torch tensors on {device.split(':')[0]} peaked at {_fmt(meter.peak)} of live storages; "
+            problems.append(f"torch tensors on {device.split(':')[0]} peaked at {format_size(meter.peak)} of live storages; "
                             f"top allocation sites at the peak:\n" + "\n".join(_top(meter.at_peak)))
         if problems:
-            pytest.fail(f"vram_limit({_fmt(limit)}, device={device!r}) exceeded:\n" + "\n".join(problems),
+            pytest.fail(f"vram_limit({format_size(limit)}, device={device!r}) exceeded:\n" + "\n".join(problems),
                         pytrace=False)
     finally:
         pool.close()
@@ -249,10 +241,10 @@ def _run_no_leak(body: Callable[[], bool], marker: Any, limit_marker: Any) -> No
                              (f"torch tensors on {device.split(':')[0]} (live storages)", torch_after)):
             steps = [b - a for a, b in zip(values, values[1:])]
             if steps and all(d > tolerance for d in steps):
-                trail = " -> ".join(_fmt(v) for v in values)
+                trail = " -> ".join(format_size(v) for v in values)
                 sites = pool.sites() if "pool" in what else _top(meter.live_by_site)
                 problems.append(f"{what} grew on every one of {runs} runs after {warmup} warm-up runs, by "
-                                f"{_fmt(sum(steps) / len(steps))} per run on average: {trail}\n"
+                                f"{format_size(sum(steps) / len(steps))} per run on average: {trail}\n"
                                 f"  allocations still live, by site:\n" + "\n".join(sites))
         if problems:
             pytest.fail(f"vram_no_leak(device={device!r}) failed:\n" + "\n".join(problems), pytrace=False)

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .. import _C
+from .._core.sizes import format_size
 from .._core.text_html import TextAsHtml
 from ..memory.api import memory_counters
 
@@ -124,17 +125,10 @@ class BatchSizeResult(TextAsHtml):
                      f"{self.accumulation_steps} accumulation steps")
         lines = [head, f"{'batch':>7}  {'outcome':<11}  {'peak reserved':>14}  {'time':>8}"]
         for a in self.attempts:
-            peak = _fmt(a.peak_reserved) if a.peak_reserved is not None else "-"
+            peak = format_size(a.peak_reserved) if a.peak_reserved is not None else "-"
             lines.append(f"{a.batch_size:>7}  {a.outcome:<11}  {peak:>14}  {a.seconds:>7.2f}s"
                          + (f"  {a.error.split('. ')[0][:60]}" if a.error else ""))
         return "\n".join(lines)
-
-
-def _fmt(n: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 class _Meter:
