@@ -135,6 +135,63 @@ def test_fused_optimizers_without_a_meta_kernel_get_one_for_the_capture(make):
         assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta")  # removed after
 
 
+CLIPPERS = {
+    "norm": lambda params, foreach: torch.nn.utils.clip_grad_norm_(params, 0.5, foreach=foreach),
+    "value": lambda params, foreach: torch.nn.utils.clip_grad_value_(params, 0.01, foreach=foreach),
+    "total-norm-then-clip": lambda params, foreach: torch.nn.utils.clip_grads_with_norm_(
+        params, 0.5, torch.nn.utils.get_total_norm([p.grad for p in params], foreach=foreach), foreach=foreach),
+}
+
+
+def clipping_builder(clip: str, foreach: bool | None):
+    """A step that clips its gradients between the backward and the optimizer, as LLM recipes do."""
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+        params = list(model.parameters())
+        opt = torch.optim.AdamW(params, foreach=False)
+        x = torch.randn(32, 64)
+
+        def step():
+            model(x).square().mean().backward()
+            CLIPPERS[clip](params, foreach)
+            opt.step()
+            opt.zero_grad()
+
+        return step
+
+    return build
+
+
+def clipping_allocations(t: vt.Trace) -> list[tuple[str, int]]:
+    return sorted((op, int(t.alloc_size[i])) for i in range(t.num_allocations)
+                  if "foreach_norm" in (op := t.name_of("ops", int(t.alloc_op[i]))) or op == "aten::stack")
+
+
+@pytest.mark.parametrize("foreach", [True, None], ids=["foreach", "default"])
+@pytest.mark.parametrize("clip", list(CLIPPERS))
+def test_gradient_clipping_runs_on_meta_as_on_cpu_and_cuda(clip, foreach):
+    """CUDA and CPU both clip with the foreach kernels (foreach=None picks them on both);
+    on meta the capture takes the same path, so the meta capture equals a real CPU run's,
+    event for event, whatever the CUDA choices, and foreach=True no longer raises."""
+    cpu = vt.capture(clipping_builder(clip, foreach), device="cpu", steps=2)
+    ops = {cpu.name_of("ops", int(i)) for i in cpu.alloc_op}
+    if clip != "value":  # (clip_grad_value_'s foreach path allocates nothing: _foreach_clamp_ in place)
+        assert "aten::_foreach_norm" in ops  # the reference itself took the foreach path
+    for cuda in (False, True):
+        meta = vt.capture(clipping_builder(clip, foreach), device="meta", steps=2, cuda=cuda)
+        if not cuda:
+            assert_same_events(meta, cpu)
+        else:  # the clipping's allocations, whatever the other choices changed
+            assert clipping_allocations(meta) == clipping_allocations(cpu)
+    from torch.utils import _foreach_utils
+    assert "meta" not in _foreach_utils._get_foreach_kernels_supported_devices()  # removed after the capture
+    with pytest.raises(RuntimeError, match="foreach API on meta"):  # and torch's own check is back
+        p = nn.Parameter(torch.ones(2, device="meta"))
+        p.grad = torch.ones(2, device="meta")
+        torch.nn.utils.clip_grad_norm_([p], 1.0, foreach=True)
+
+
 # ---------------------------------------------------------------------------------- attention
 
 

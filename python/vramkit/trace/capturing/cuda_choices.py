@@ -32,6 +32,14 @@ equals a CPU capture event for event.
   chooser decides (``_fused_sdp_choice`` on stand-in CPU tensors of the same shapes and
   strides, which allocate no more than one row).
 
+Not a choice but a gap: ``torch.nn.utils``' gradient clipping (``clip_grad_norm_``,
+``clip_grad_value_``, ``get_total_norm``, ``clip_grads_with_norm_``) asks
+``_foreach_utils._device_has_foreach_support``, which is true on CUDA and on CPU and false on
+meta: on meta ``foreach=None`` would take the per-tensor loop neither real device takes, and
+``foreach=True`` (as LLM recipes pass it) raises "can't use the foreach API on meta tensors".
+During a meta capture "meta" is a foreach device for that check, so clipping runs the
+``_foreach_norm``/``_foreach_mul_`` path CUDA and CPU both run, whatever the choices.
+
 Each choice is installed for one capture and removed after it (``install``).
 """
 
@@ -186,6 +194,7 @@ def install(choices: CudaChoices | None, device: str) -> Iterator[None]:
             # choices, with a no-op meta kernel (they write in place, allocate nothing) for each
             # fused optimizer overload that has none (_fused_sgd_, _fused_adagrad_, tensor_lr forms).
             undo.append(_optimizer_devices(foreach=meta_cuda is not None and meta_cuda.optimizer))
+            undo.append(_clipping_foreach_on_meta())
             for name in _FUSED_OPTIMIZERS:
                 if hasattr(torch.ops.aten, name):  # (torch.ops.aten loads ops on first access)
                     for overload in getattr(torch.ops.aten, name).overloads():
@@ -197,6 +206,21 @@ def install(choices: CudaChoices | None, device: str) -> Iterator[None]:
         for restore in reversed(undo):
             restore()
         lib._destroy()
+
+
+def _clipping_foreach_on_meta() -> Any:
+    """Make meta a foreach device for ``_foreach_utils._device_has_foreach_support`` (gradient
+    clipping's check; the optimizers read their own imported copy, which ``_optimizer_devices``
+    handles); return the undo."""
+    from torch.utils import _foreach_utils
+
+    original = _foreach_utils._get_foreach_kernels_supported_devices
+    _foreach_utils._get_foreach_kernels_supported_devices = lambda: [*original(), "meta"]
+
+    def restore() -> None:
+        _foreach_utils._get_foreach_kernels_supported_devices = original
+
+    return restore
 
 
 def _optimizer_devices(foreach: bool) -> Any:
