@@ -1,5 +1,6 @@
 /* replay.c — vram_trace_replay: an allocation trace (kind, id, size, stream columns) replayed
- * on a private simulated pool in one C loop, with the peaks, the event indices where they were
+ * on a private simulated pool in one C loop (allocations on their streams, record_stream uses
+ * and stream synchronizations as the caching allocator sees them), with the peaks, the event indices where they were
  * reached and, on request, per-event reserved/allocated bytes and addresses.
  *
  * Two passes over the columns check the whole trace before a pool exists, so bad input
@@ -22,11 +23,13 @@ enum { ID_UNUSED = 0, ID_LIVE = 1, ID_FREED = 2 };
 
 /* Pass 1: the rules that need no state (id >= 0, size below the limit) and the largest id
  * before the first event breaking them (*bad, n if none). */
+static int has_id(uint8_t k) { return k == VRAM_REPLAY_ALLOC || k == VRAM_REPLAY_FREE || k == VRAM_REPLAY_USE; }
+
 static int64_t scan_events(const uint8_t *kind, const int64_t *id, const uint64_t *size, size_t n, size_t *bad) {
     int64_t max_id = -1;
     for (size_t i = 0; i < n; i++) {
         uint8_t k = kind[i];
-        if (k > VRAM_REPLAY_FREE) continue; /* a marker */
+        if (!has_id(k)) continue; /* a marker, or a synchronization */
         int64_t x = id[i];
         if (x < 0 || (k == VRAM_REPLAY_ALLOC && size[i] >= VRAM_MAX_REQUEST)) {
             *bad = i;
@@ -39,7 +42,7 @@ static int64_t scan_events(const uint8_t *kind, const int64_t *id, const uint64_
 }
 
 static vram_status_t stateless_error(const uint8_t *kind, const int64_t *id, const uint64_t *size, size_t i) {
-    const char *what = kind[i] == VRAM_REPLAY_ALLOC ? "alloc" : "free";
+    const char *what = kind[i] == VRAM_REPLAY_ALLOC ? "alloc" : kind[i] == VRAM_REPLAY_FREE ? "free" : "use";
     if (id[i] < 0)
         return vram__fail(VRAM_ERR_INVALID_ARG, "trace event %zu: %s of id %lld: ids must be >= 0", i, what,
                           (long long)id[i]);
@@ -48,15 +51,21 @@ static vram_status_t stateless_error(const uint8_t *kind, const int64_t *id, con
                       (long long)id[i], (unsigned long long)size[i]);
 }
 
-/* Pass 2, over events [0, end): every FREE finds its id live, every ALLOC finds its id unused.
+/* Pass 2, over events [0, end): every FREE and USE finds its id live, every ALLOC finds its id unused.
  * `state` (zeroed) and `at` (the event of each id's last change, for the message) have an
  * entry per id. */
 static vram_status_t check_states(const uint8_t *kind, const int64_t *id, size_t end, uint8_t *state, uint64_t *at) {
     for (size_t i = 0; i < end; i++) {
         uint8_t k = kind[i];
-        if (k > VRAM_REPLAY_FREE) continue;
+        if (!has_id(k)) continue;
         int64_t x = id[i];
         uint8_t s = state[x];
+        if (k == VRAM_REPLAY_USE) {
+            if (s != ID_LIVE)
+                return vram__fail(VRAM_ERR_INVALID_ARG, "trace event %zu: use of id %lld on a stream, which is not "
+                                  "allocated%s", i, (long long)x, s == ID_FREED ? " (it was freed)" : "");
+            continue;
+        }
         if (k == VRAM_REPLAY_ALLOC) {
             if (s == ID_LIVE)
                 return vram__fail(VRAM_ERR_INVALID_ARG,
@@ -80,6 +89,15 @@ static vram_status_t check_states(const uint8_t *kind, const int64_t *id, size_t
         }
         at[x] = i;
     }
+    return VRAM_OK;
+}
+
+/* Every stream synchronized: every queued event completes (the pool is private to the replay,
+ * so nothing else holds its lock). */
+static vram_status_t synchronize_all(vram_pool_t *pool) {
+    vram__lock(&pool->lock);
+    if (pool->num_pending) vram__synchronize_and_free_events(pool);
+    vram__unlock(&pool->lock);
     return VRAM_OK;
 }
 
@@ -130,7 +148,7 @@ vram_status_t vram_trace_replay(const uint8_t *kind, const int64_t *id, const ui
         return status;
     }
     for (size_t i = 0; i < n; i++)
-        if (kind[i] <= VRAM_REPLAY_FREE) addrs[id[i]] = 0;
+        if (has_id(kind[i])) addrs[id[i]] = 0;
 
     void *ctx = NULL;
     vram_pool_t *pool = NULL;
@@ -163,9 +181,17 @@ vram_status_t vram_trace_replay(const uint8_t *kind, const int64_t *id, const ui
             addr = (uint64_t)(uintptr_t)ptr;
             addrs[id[i]] = addr;
         } else if (k == VRAM_REPLAY_FREE) {
-            /* Cannot fail: the pointer is live (checked above) and no stream uses were recorded;
-             * NULL (a size-0 alloc) is a no-op. */
+            /* The pointer is live (checked above); NULL (a size-0 alloc) is a no-op. Fails only
+             * for want of host memory to queue the stream uses' events. */
             status = vram_free(pool, (void *)(uintptr_t)addrs[id[i]], 0);
+            if (status != VRAM_OK) break;
+        } else if (k == VRAM_REPLAY_USE) {
+            if (addrs[id[i]]) status = vram_record_stream(pool, (void *)(uintptr_t)addrs[id[i]], stream ? stream[i] : 0);
+            if (status != VRAM_OK) break;
+        } else if (k == VRAM_REPLAY_SYNC) {
+            /* The simulated device's streams are logical queues: synchronizing one completes the
+             * events recorded on it, and frees waiting only on them return to the pool. */
+            status = id[i] < 0 ? synchronize_all(pool) : vram_pool_synchronize(pool, stream ? stream[i] : 0);
             if (status != VRAM_OK) break;
         }
         uint64_t a = (uint64_t)*allocated, res = (uint64_t)*reserved, req = (uint64_t)*requested;

@@ -477,12 +477,15 @@ VRAM_API void vram_snapshot_free(vram_snapshot_t *snapshot);
  * call, so replays never disturb the process's devices and can run on many threads at once.
  *
  * A trace is three parallel columns of n events:
- *   kind[i]   VRAM_REPLAY_ALLOC (0), VRAM_REPLAY_FREE (1); any other value is a marker
- *             (an iteration boundary, say) that the replay skips but that keeps its index,
- *             so event indices in results and messages match the caller's columns;
+ *   kind[i]   VRAM_REPLAY_ALLOC (0), VRAM_REPLAY_FREE (1), VRAM_REPLAY_USE (4): the live
+ *             allocation id[i] is used on stream[i] (Tensor.record_stream: its FREE then
+ *             waits for that stream), VRAM_REPLAY_SYNC (5): stream[i] is synchronized (id[i]
+ *             -1: every stream), which completes the waits recorded on it; any other value
+ *             is a marker (an iteration boundary, say) that the replay skips but that keeps
+ *             its index, so event indices in results and messages match the caller's columns;
  *   id[i]     ALLOC/FREE: the allocation's id, >= 0, ideally dense from 0 (tables are sized
  *             by the largest id, 9 bytes per id); an id is allocated at most once per trace.
- *             Ignored for markers;
+ *             USE: a live id. Ignored for markers;
  *   size[i]   ALLOC: requested bytes, < VRAM_MAX_REQUEST; 0 is allowed (PyTorch's empty
  *             storages): the id is live but holds no block, as vram_malloc(0) gives NULL, and
  *             its FREE changes nothing. Ignored for other events;
@@ -490,7 +493,8 @@ VRAM_API void vram_snapshot_free(vram_snapshot_t *snapshot);
  *             so blocks are reused only on their own stream, as on the device.
  * ====================================================================================== */
 
-enum { VRAM_REPLAY_ALLOC = 0, VRAM_REPLAY_FREE = 1 };
+/* (2 and 3 are the Python trace's phase and step markers.) */
+enum { VRAM_REPLAY_ALLOC = 0, VRAM_REPLAY_FREE = 1, VRAM_REPLAY_USE = 4, VRAM_REPLAY_SYNC = 5 };
 
 typedef struct vram_replay_result {
     uint64_t events;                     /* events processed: n, or the OOM event's index + 1 */

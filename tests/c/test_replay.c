@@ -115,6 +115,47 @@ static void test_stream_column(void) {
     CHECK(r.peak_reserved == 2 * MiB && r.peak_reserved_event == 0 && r.num_device_alloc == 1);
 }
 
+/* record_stream: a block used on stream 2 and freed is not reused on its own stream 1 until
+ * stream 2 is synchronized (by itself, or with every stream: id -1). */
+#define U VRAM_REPLAY_USE
+#define S VRAM_REPLAY_SYNC
+static void test_stream_uses_wait_for_a_synchronize(void) {
+    for (int all = 0; all < 2; all++) {
+        uint8_t kind[] = {A, U, F, A, S, A};
+        int64_t id[] = {0, 0, 0, 1, all ? -1 : 0, 2};
+        uint64_t size[] = {12 * MiB, 0, 0, 12 * MiB, 0, 12 * MiB}; /* one 12 MiB segment each */
+        uint64_t stream[] = {1, 2, 1, 1, all ? 9 : 2, 1};
+        trace_t t = {kind, id, size, stream, 6};
+        outs_t o = outs_new(t.n);
+        vram_replay_result_t r;
+        CHECK_OK(replay(&t, GiB, NULL, &o, &r));
+        CHECK(o.addr[3] != o.addr[0]);    /* still waiting for stream 2: a second segment */
+        CHECK(o.reserved[3] == 24 * MiB);
+        CHECK(o.addr[5] == o.addr[0]);    /* after the synchronize, the block is back */
+        CHECK(r.peak_reserved == 24 * MiB && r.num_device_alloc == 2);
+        CHECK(o.allocated[2] == 0);       /* freed for the counters at its FREE, as in PyTorch */
+        outs_free(o);
+    }
+    /* Without the use, the free block is reused at once. */
+    uint8_t kind[] = {A, F, A};
+    int64_t id[] = {0, 0, 1};
+    uint64_t size[] = {12 * MiB, 0, 12 * MiB};
+    uint64_t stream[] = {1, 1, 1};
+    trace_t t = {kind, id, size, stream, 3};
+    vram_replay_result_t r;
+    CHECK_OK(replay(&t, GiB, NULL, NULL, &r));
+    CHECK(r.num_device_alloc == 1 && r.peak_reserved == 12 * MiB);
+    /* A use of an id that is not live is bad input, named. */
+    uint8_t bad_kind[] = {A, F, U};
+    int64_t bad_id[] = {0, 0, 0};
+    trace_t bad = {bad_kind, bad_id, size, stream, 3};
+    CHECK(replay(&bad, GiB, NULL, NULL, &r) == VRAM_ERR_INVALID_ARG);
+    CHECK(strstr(vram_last_error(), "trace event 2: use of id 0 on a stream, which is not allocated (it was freed)"));
+    bad_kind[0] = U;
+    CHECK(replay(&bad, GiB, NULL, NULL, &r) == VRAM_ERR_INVALID_ARG);
+    CHECK(strstr(vram_last_error(), "trace event 0: use of id 0 on a stream, which is not allocated"));
+}
+
 /* 64 MiB device: 30 MiB + 30 MiB segments, then 10 MiB does not fit (nothing is cached to
  * release), so event 2 raises OOM and the replay stops there. */
 static int replay_ooms_seen; /* a replay's OOM is its answer, not an event for the OOM callback */
@@ -494,6 +535,7 @@ static void test_one_replay_beyond_the_shared_range(void) {
 int main(void) {
     RUN(test_hand_trace_peaks_and_columns);
     RUN(test_stream_column);
+    RUN(test_stream_uses_wait_for_a_synchronize);
     RUN(test_oom_stops_at_the_event);
     RUN(test_release_under_pressure_is_not_a_peak);
     RUN(test_conf_changes_the_peak);

@@ -30,6 +30,7 @@ MiB = 1 << 20
 GiB = 1 << 30
 SIM_BASE = 1 << 48
 ALLOC, FREE, MARKER = 0, 1, 9
+USE, SYNC = 4, 5  # record_stream, a synchronize
 
 
 # ---- traces ---------------------------------------------------------------------------------
@@ -62,6 +63,32 @@ def random_trace(n: int, seed: int, streams: int = 1, max_live: int = 60):
     return kind, ids, size, stream
 
 
+def random_trace_with_uses(n: int, seed: int, streams: int = 3):
+    """random_trace's allocations and frees on `streams` streams, plus record_stream uses (8 %
+    of events: a random live allocation used on a random stream) and synchronizations (3 %:
+    one stream, or every stream with id -1)."""
+    kind, ids, size, stream = random_trace(n, seed, streams=streams)
+    rng = np.random.default_rng(seed + 1000)
+    live: set[int] = set()
+    out: list[tuple[int, int, int, int]] = []
+    for k, i, sz, st in zip(kind.tolist(), ids.tolist(), size.tolist(), stream.tolist()):
+        if k == FREE and st != stream[np.flatnonzero((kind == ALLOC) & (ids == i))[0]]:
+            st = int(stream[np.flatnonzero((kind == ALLOC) & (ids == i))[0]])  # a FREE is on its block's stream
+        out.append((k, i, sz, st))
+        if k == ALLOC:
+            live.add(i)
+        elif k == FREE:
+            live.discard(i)
+        r = rng.random()
+        if r < 0.08 and live:
+            out.append((USE, int(rng.choice(sorted(live))), 0, int(rng.integers(streams))))
+        elif r < 0.11:
+            every = rng.random() < 0.3
+            out.append((SYNC, -1 if every else 0, 0, int(rng.integers(streams))))
+    k, i, sz, st = zip(*out)
+    return (np.array(k, np.uint8), np.array(i, np.int64), np.array(sz, np.uint64), np.array(st, np.uint64))
+
+
 def outs(n: int):
     return tuple(np.full(n, 0xDEADBEEF, np.uint64) for _ in range(3))
 
@@ -69,11 +96,12 @@ def outs(n: int):
 # ---- an independent model of PyTorch's policy (default settings, no OOM) ----------------------
 
 class _Block:
-    __slots__ = ("addr", "size", "stream", "small", "free", "prev", "next")
+    __slots__ = ("addr", "size", "stream", "small", "free", "prev", "next", "uses")
 
     def __init__(self, addr, size, stream, small):
         self.addr, self.size, self.stream, self.small = addr, size, stream, small
         self.free, self.prev, self.next = True, None, None
+        self.uses: set[int] = set()
 
 
 class PolicyModel:
@@ -84,6 +112,7 @@ class PolicyModel:
     remainder is >= 512 B (small) or > 1 MiB (large); merge free neighbours on free."""
 
     def __init__(self):
+        self.waiting = []  # blocks freed while used on other streams
         self.free_keys = {True: [], False: []}  # sorted (stream, size, addr) per pool
         self.blocks: dict[int, _Block] = {}  # addr -> block, every block
         self.next_addr = SIM_BASE
@@ -125,12 +154,33 @@ class PolicyModel:
         self.allocated += b.size
         return b.addr
 
+    def record_stream(self, addr, stream):
+        """Tensor.record_stream: the block's free will wait for `stream` (its own orders itself)."""
+        if addr and stream != self.blocks[addr].stream:
+            self.blocks[addr].uses.add(stream)
+
     def free(self, addr):
         if addr == 0:
             return
         b = self.blocks[addr]
+        self.allocated -= b.size  # PyTorch counts it freed now ...
+        if b.uses:
+            self.waiting.append(b)  # ... but the block returns to the pool only after its streams
+            return
+        self._release(b)
+
+    def synchronize(self, stream):
+        """`stream` (None: every stream) has finished its work: blocks waiting only on what is
+        finished go back to their pools."""
+        still = []
+        for b in self.waiting:
+            b.uses = set() if stream is None else b.uses - {stream}
+            (still if b.uses else [self._release(b)]).append(b)
+        self.waiting = still
+
+    def _release(self, b):
+        addr = b.addr
         b.free = True
-        self.allocated -= b.size
         for nb in (b.prev, b.next):
             if nb is not None and nb.free:
                 self._index(nb, False)
@@ -159,6 +209,10 @@ def run_model(kind, ids, size, stream):
             a = addr_of[i] = m.alloc(s, st)
         elif k == FREE:
             m.free(addr_of.pop(i))
+        elif k == USE:
+            m.record_stream(addr_of[i], st)
+        elif k == SYNC:
+            m.synchronize(None if i == -1 else st)
         reserved.append(m.reserved)
         allocated.append(m.allocated)
         addrs.append(a)
@@ -187,6 +241,24 @@ def test_matches_the_policy_model_event_by_event(streams):
     assert r["allocated_at_peak_reserved"] == want_allocated[r["peak_reserved_event"]]
     assert r["final_reserved"] == want_reserved[-1] and r["final_allocated"] == want_allocated[-1]
     assert r["num_device_free"] == 0 and r["num_ooms"] == 0
+
+
+def test_stream_uses_and_synchronizes_match_the_policy_model():
+    """record_stream uses and synchronizations: a block freed while used on other streams
+    returns to its own stream's pool only when all of them are synchronized."""
+    kind, ids, size, stream = random_trace_with_uses(4000, seed=21)
+    assert (kind == USE).sum() > 100 and (kind == SYNC).sum() > 50
+    reserved, allocated, addr = outs(len(kind))
+    r = _C.trace_replay(kind, ids, size, stream, 1 << 50, None, reserved, allocated, addr)
+    want_reserved, want_allocated, want_addr = run_model(kind, ids, size, stream)
+    assert r["oom_event"] == -1 and r["events"] == len(kind)
+    np.testing.assert_array_equal(reserved, want_reserved)
+    np.testing.assert_array_equal(allocated, want_allocated)
+    np.testing.assert_array_equal(addr, want_addr)
+    # The uses matter: without them the same trace reserves less.
+    plain = kind != USE
+    r2 = _C.trace_replay(kind[plain], ids[plain], size[plain], stream[plain], 1 << 50, None)
+    assert r2["peak_reserved"] < r["peak_reserved"]
 
 
 def test_matches_the_public_api_under_the_allocator_model():

@@ -39,7 +39,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .._core.sizes import format_size, parse_size
-from .formats.file_format import ALLOC, CATEGORIES, FREE, PHASE, PHASES, STEP, Trace, TraceFormatError
+from .formats.file_format import ALLOC, CATEGORIES, FREE, PHASE, PHASES, STEP, SYNC, USE, Trace, TraceFormatError
 from .formats.reading import load
 from .formats.snapshot_import import from_torch_snapshot
 from .replaying.replay_sim import Prediction, peak_live_bytes, replay
@@ -78,7 +78,7 @@ _TORCH_NAMES = {
 }
 
 __all__ = [
-    "ALLOC", "CATEGORIES", "FREE", "NO_OVERHEADS", "PHASE", "PHASES", "PROFILES", "STEP",
+    "ALLOC", "CATEGORIES", "FREE", "NO_OVERHEADS", "PHASE", "PHASES", "PROFILES", "STEP", "SYNC", "USE",
     "CudaChoices", "GpuOverheads", "GpuProfile", "Prediction", "Target", "TargetError", "Trace", "TraceFormatError",
     "format_size", "from_torch_snapshot", "gpu_profile", "load", "parse_size", "peak_live_bytes", "replay",
     "resolve_target", *sorted(_TORCH_NAMES),

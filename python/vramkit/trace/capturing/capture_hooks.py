@@ -5,6 +5,8 @@ drop memory outside the dispatcher, or whose memory only their caller can name.
   frees and re-creates its gathered parameters this way).
 * ``deferred_init``: on meta, ``Module.to_empty`` marks the script's own meta-built model.
 * ``fsdp_buffers``: FSDP2's collective buffers, allocated through its ``allocate`` methods.
+* ``stream_synchronizations``: ``torch.cpu.synchronize()`` (the device a meta or CPU capture's
+  streams belong to) ends ``record_stream``'s waits: a SYNC event.
 """
 
 from __future__ import annotations
@@ -99,3 +101,22 @@ def storage_resizes(rec: Any) -> Any:
         yield
     finally:
         torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def stream_synchronizations(rec: Any) -> Any:
+    """A step's synchronization of its device, as a SYNC event of every stream: on a GPU
+    ``torch.cuda.synchronize()``, on meta and CPU (whose streams are ``torch.cpu``'s, with no
+    per-stream synchronize) ``torch.cpu.synchronize()``, a no-op there."""
+    device_sync = torch.cpu.synchronize
+
+    def synchronize(device: Any = None) -> None:
+        device_sync(device)
+        if threading.get_ident() == rec.thread:
+            rec.synchronized()
+
+    torch.cpu.synchronize = synchronize
+    try:
+        yield
+    finally:
+        torch.cpu.synchronize = device_sync

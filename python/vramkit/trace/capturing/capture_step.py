@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from .autocast_meta import emulate_autocast
-from .capture_hooks import deferred_init, fsdp_buffers, storage_resizes
+from .capture_hooks import deferred_init, fsdp_buffers, storage_resizes, stream_synchronizations
 from ..sharding.cpu_offload import offload_on_meta, tag_host
 from .cuda_choices import CudaChoices, install as install_choices
 from ..sharding.fake_dist import COLLECTIVE_NAMESPACES, check_rank, collectives_by_step, note_collective, one_rank, \
@@ -91,6 +91,13 @@ class _CaptureMode(TorchDispatchMode):
             self._still_running()
         if rec.collectives is not None and func.namespace in COLLECTIVE_NAMESPACES:
             note_collective(func, args, kwargs, rec.collectives)
+        if func is torch.ops.aten.record_stream.default:
+            # The allocator's business, not the kernel's (meta has none): the storage's block
+            # waits at its free for this stream.
+            st = storage_of(args[0])
+            if st is not None and rec.counts(st):
+                rec.used_on(st, args[1])
+            return None
         # (on meta the arguments' tensors are needed before the op, and found once for both uses)
         args_in = tensors_in((args, kwargs)) if self.values is not None else None
         out = func(*args, **kwargs) if self.values is None else self.values.run(func, args, kwargs, args_in)
@@ -231,7 +238,7 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
         emulation = emulate_autocast() if dev.type == "meta" else contextlib.nullcontext()
         sharded = one_rank(world_size, rank, dev) if world_size is not None else contextlib.nullcontext(None)
         with sharded as group, sharding_changed(sharding), torch.device(dev), emulation, \
-                install_choices(cuda, dev.type), storage_resizes(rec), \
+                install_choices(cuda, dev.type), storage_resizes(rec), stream_synchronizations(rec), \
                 (deferred_init(rec) if dev.type == "meta" else contextlib.nullcontext()), \
                 (offload_on_meta(rec) if dev.type == "meta" and world_size is not None else contextlib.nullcontext()), \
                 (fsdp_buffers(rec) if world_size is not None else contextlib.nullcontext()):

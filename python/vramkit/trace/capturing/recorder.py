@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..formats.file_format import ALLOC, CATEGORIES, FREE, PHASE, PHASES, Trace
+from ..formats.file_format import ALLOC, CATEGORIES, FREE, PHASE, PHASES, SYNC, USE, Trace
 from .module_tags import LABEL
 
 __all__ = ["BACKWARD", "CATEGORY_INDEX", "FORWARD", "OPTIMIZER", "OTHER", "Recorder", "SETUP", "storage_of",
@@ -24,6 +24,28 @@ __all__ = ["BACKWARD", "CATEGORY_INDEX", "FORWARD", "OPTIMIZER", "OTHER", "Recor
 
 SETUP, FORWARD, BACKWARD, OPTIMIZER, OTHER = range(len(PHASES))
 CATEGORY_INDEX = {name: i for i, name in enumerate(CATEGORIES)}
+
+
+def _default_stream() -> Any:
+    return getattr(torch.cpu, "_default_cpu_stream", None)
+
+
+def _stream_name(stream: Any) -> str:
+    """Where a side stream comes from, for the report: the attribute that holds it (in FSDP2's
+    communication context, ``all_gather_copy_in_stream``, ``reduce_scatter_stream``), else its type."""
+    import gc
+
+    for holder in gc.get_referrers(stream):
+        # An object's attributes (Python 3.11 may hand back the object, not its dict); not a
+        # module's globals (torch.cpu's `_current_stream`).
+        if type(holder).__name__.endswith("StreamContext"):  # the `with` entering it, not its owner
+            continue
+        names = holder if isinstance(holder, dict) else getattr(holder, "__dict__", None)
+        if isinstance(names, dict) and "__name__" not in names:
+            for key, value in names.items():
+                if value is stream and isinstance(key, str):
+                    return key
+    return type(stream).__name__
 
 
 def storage_of(t: Any) -> torch.UntypedStorage | None:
@@ -50,6 +72,9 @@ class Recorder:
         self.op: list[str] = []
         self.phase_of: list[int] = []
         self.category: list[int] = []
+        self.stream_of: list[int] = []  # the stream current at each allocation (0: the default stream)
+        self.streams: dict[Any, tuple[Any, int]] = {}  # the stream's key -> (the object, kept alive; its number)
+        self.stream_names: dict[int, str] = {}
         self.live: dict[int, tuple[int, Any]] = {}  # StorageImpl address -> (id, finalizer)
         self.open = True
         self.phase = -1
@@ -99,6 +124,43 @@ class Recorder:
 
     _last_marked = -1
 
+    # ---------------------------------------------------------------- streams
+
+    def stream_number(self, stream: Any) -> int:
+        """A small number for a stream object (0 for the default stream), stable for the capture.
+        On meta and CPU a step's streams are ``torch.cpu.Stream`` objects: FSDP2's device handle
+        there is ``torch.cpu``, whose ``stream()`` context sets what ``current_stream()`` returns."""
+        if stream is None or stream is _default_stream():
+            return 0
+        # A torch.Stream (what record_stream takes) is a fresh Python object each time it
+        # crosses the dispatcher: it is known by what it wraps.
+        key: Any = (stream.device_type, stream.device_index, stream.stream_id) \
+            if isinstance(stream, torch.Stream) else id(stream)
+        entry = self.streams.get(key)
+        if entry is None:
+            entry = self.streams[key] = (stream, len(self.streams) + 1)
+            self.stream_names[entry[1]] = _stream_name(stream)
+        return entry[1]
+
+    def current_stream(self) -> int:
+        return self.stream_number(torch.cpu.current_stream())
+
+    def used_on(self, st: Any, stream: Any) -> None:
+        """``record_stream``: storage `st` is used on `stream`, so the allocator holds its block
+        at its free until that stream's work is done (a USE event; its number in the size slot,
+        read back by ``to_trace``)."""
+        i = self.id_of(st)
+        number = self.stream_number(stream)
+        if i is None or number == self.stream_of[i]:
+            return
+        with self.lock:
+            self.events.append((USE, i, number))
+
+    def synchronized(self, stream: Any = None) -> None:
+        """A stream (None: every stream) was synchronized: its uses' waits are over (a SYNC event)."""
+        with self.lock:
+            self.events.append((SYNC, -1 if stream is None else 0, 0 if stream is None else self.stream_number(stream)))
+
     # ---------------------------------------------------------------- storages
 
     def module_path(self, phase: int) -> str:
@@ -131,6 +193,7 @@ class Recorder:
             # torch.tensor(1.0, device="cpu")) is host memory on a GPU run too.
             host = self.device.type == "meta" and st.device.type == "cpu"
             self.category.append(CATEGORY_INDEX["host"] if host else CATEGORY_INDEX["unknown"])
+            self.stream_of.append(0 if initial else self.current_stream())
             if initial:
                 self.initial.append(i)
             else:
@@ -242,7 +305,20 @@ def to_trace(rec: Recorder, meta: dict[str, Any]) -> Trace:
         return np.array([t.setdefault(v, len(t)) if v else -1 for v in values], dtype=np.int64)
 
     arr = np.array(events, dtype=np.int64).reshape(-1, 3)
+    kind, ids, third = arr[:, 0], arr[:, 1], arr[:, 2]
+    # The stream column: an allocation's own stream on its ALLOC and FREE (the allocator returns a
+    # block to the pool of the stream it was allocated on); USE and SYNC carried theirs in the
+    # size slot, and have no size.
+    mem = kind <= FREE
+    marks = (kind == USE) | (kind == SYNC)
+    stream = np.zeros(len(kind), np.uint64)
+    stream_of = np.array(rec.stream_of, np.uint64)
+    stream[mem] = stream_of[ids[mem]] if stream_of.size else 0
+    stream[marks] = third[marks]
+    size = np.where(marks, 0, third).astype(np.uint64)
+    if rec.stream_names:
+        meta = {**meta, "streams": {str(k): v for k, v in rec.stream_names.items()}}
     return Trace.from_columns(
-        kind=arr[:, 0], id=arr[:, 1], size=arr[:, 2].astype(np.uint64), alloc_dtype=index("dtypes", rec.dtype),
+        kind=kind, id=ids, size=size, stream=stream, alloc_dtype=index("dtypes", rec.dtype),
         alloc_category=category, alloc_module=index("modules", rec.module), alloc_op=index("ops", rec.op),
         dtypes=list(strings["dtypes"]), modules=list(strings["modules"]), ops=list(strings["ops"]), meta=meta)

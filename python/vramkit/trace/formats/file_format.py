@@ -33,15 +33,20 @@ import numpy as np
 from ..._core.files import write_atomically
 
 __all__ = [
-    "ALLOC", "CATEGORIES", "FREE", "FORMAT_VERSION", "PHASE", "PHASES", "STEP", "Trace", "TraceFormatError",
+    "ALLOC", "CATEGORIES", "FREE", "FORMAT_VERSION", "PHASE", "PHASES", "STEP", "SYNC", "Trace", "TraceFormatError",
+    "USE",
 ]
 
 MAGIC = b"VKTRACE\0"
 FORMAT_VERSION = 1
 
-# Event kinds (the `kind` column). The C replay treats any kind but ALLOC and FREE as a marker.
-ALLOC, FREE, PHASE, STEP = 0, 1, 2, 3
-KIND_NAMES = ("alloc", "free", "phase", "step")
+# Event kinds (the `kind` column). The C replay treats PHASE and STEP as markers.
+# USE: the live allocation `id` is used on the event's `stream` (Tensor.record_stream), so its
+# FREE returns the block to its own stream's pool only once that stream has been synchronized.
+# SYNC: the event's `stream` is synchronized (`id` -1: every stream), completing those waits.
+# (Added after the first files were written; a file without them reads the same.)
+ALLOC, FREE, PHASE, STEP, USE, SYNC = 0, 1, 2, 3, 4, 5
+KIND_NAMES = ("alloc", "free", "phase", "step", "use", "sync")
 # Phase markers carry the phase's index in PHASES as their id; step markers the step number.
 PHASES = ("setup", "forward", "backward", "optimizer", "other")
 # What an allocation holds, as far as the capture can tell (the breakdown at the peak).
@@ -191,10 +196,12 @@ def _parse_header(raw: bytes, what: str) -> dict[str, Any]:
 class Trace:
     """An allocation trace.
 
-    Event columns (length ``num_events``): ``kind`` (ALLOC, FREE, PHASE, STEP), ``id`` (the
-    allocation id, from 0, each allocated at most once; for PHASE the phase index, for STEP the
-    step number), ``size`` (requested bytes of the allocation, on its ALLOC and FREE events),
-    ``stream`` (0 unless the source had several streams).
+    Event columns (length ``num_events``): ``kind`` (ALLOC, FREE, PHASE, STEP, USE, SYNC),
+    ``id`` (the allocation id, from 0, each allocated at most once; for PHASE the phase index,
+    for STEP the step number, for USE the allocation used, for SYNC -1 for every stream or 0),
+    ``size`` (requested bytes of the allocation, on its ALLOC and FREE events), ``stream`` (the
+    allocation's stream on ALLOC and FREE, the stream using it on USE, the stream synchronized
+    on SYNC; 0, the default stream, unless the source had several streams).
 
     Allocation columns (length ``num_allocations``, indexed by id): ``alloc_dtype``,
     ``alloc_module`` and ``alloc_op`` index the string tables ``dtypes``, ``modules`` and ``ops``
@@ -261,11 +268,11 @@ class Trace:
             col = getattr(self, name)
             if col.ndim != 1 or len(col) != n:
                 raise TraceFormatError(f"column {name!r} has {len(col)} entries; the trace has {n} events")
-        bad = np.flatnonzero(self.kind > STEP)
+        bad = np.flatnonzero(self.kind > SYNC)
         if bad.size:
             i = int(bad[0])
             raise TraceFormatError(f"event {i}: unknown kind {int(self.kind[i])} (allowed: 0 alloc, 1 free, "
-                                   "2 phase, 3 step)")
+                                   "2 phase, 3 step, 4 use, 5 sync)")
         num = self.num_allocations
         for name in _ALLOC_COLUMNS:
             col = getattr(self, name)
@@ -298,7 +305,22 @@ class Trace:
                 i = int(idx[order[dup[0] + 1]])
                 raise TraceFormatError(f"event {i}: second {which} of id {int(self.id[i])} (an id is allocated "
                                        "once and freed at most once)")
+        bad_sync = np.flatnonzero((self.kind == SYNC) & ((self.id < -1) | (self.id > 0)))
+        if bad_sync.size:
+            i = int(bad_sync[0])
+            raise TraceFormatError(f"event {i}: sync with id {int(self.id[i])} (allowed: -1, every stream; 0, the "
+                                   "event's stream)")
         a, f = self.alloc_index, self.free_index
+        uses = np.flatnonzero(self.kind == USE)
+        if uses.size:  # a use names an allocation live at that event
+            ids = self.id[uses]
+            known = (ids >= 0) & (ids < num)
+            safe = np.where(known, ids, 0)
+            live = known & (a[safe] < uses) & ((f[safe] < 0) | (f[safe] > uses))
+            if not live.all():
+                i = int(uses[np.argmin(live)])
+                raise TraceFormatError(f"event {i}: use of id {int(self.id[i])} on a stream, which is not a live "
+                                       "allocation there")
         if num and (a < 0).any():
             i = int(np.flatnonzero(a < 0)[0])
             raise TraceFormatError(f"allocation id {i} is never allocated (ids must be dense from 0)")

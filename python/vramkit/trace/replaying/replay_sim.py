@@ -30,7 +30,7 @@ import numpy as np
 
 from ... import _C
 from ..._core.text_html import TextAsHtml
-from ..formats.file_format import ALLOC, CATEGORIES, FREE, PHASES, STEP, Trace
+from ..formats.file_format import ALLOC, CATEGORIES, FREE, PHASES, STEP, SYNC, USE, Trace
 from ..._core.sizes import format_size
 from ..target.gpu_profiles import AllocConf, GpuOverheads, GpuSpec, Target, resolve_target
 
@@ -64,6 +64,15 @@ class Prediction(TextAsHtml):
     checkpointed_count: int = 0
     communication_sent: int | None = None  # set by fit for a sharded trace: bytes this rank sends per step
     host_bytes: int | None = None  # set by fit: host memory the trace holds at its end (FSDP2's CPU offload)
+    streams: dict[str, str] = field(default_factory=dict)  # the trace's side streams: number -> name
+    # The step's torch.compile'd regions (the capture's meta["compiled_regions"]): name, how
+    # ("compiled", or "eager upper bound": its figure is what eager holds), why, backend.
+    compiled_regions: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def eager_bound_regions(self) -> list[str]:
+        """The compiled regions predicted as eager: the figures are upper bounds for them."""
+        return [r["name"] for r in self.compiled_regions if r.get("how") != "compiled"]
 
     @property
     def capacity(self) -> int:
@@ -96,14 +105,17 @@ class Prediction(TextAsHtml):
         return self.usable - self.peak_reserved if self.fits else -1
 
     def verdict(self) -> str:
+        bound = self.eager_bound_regions
+        upper = (f"; an upper bound: compiled {', '.join(bound[:3])}{' ...' if len(bound) > 3 else ''} predicted as "
+                 "eager") if bound else ""
         if self.fits:
             return (f"fits: peak reserved {format_size(self.peak_reserved)} of {format_size(self.capacity)} "
-                    f"(peak allocated {format_size(self.peak_allocated)})")
+                    f"(peak allocated {format_size(self.peak_allocated)}){upper}")
         o = self.oom or {}
         where = o.get("module") or "(outside any module)"
         return (f"OOM at {where} ({o.get('op', '?')}), step {o.get('step', '?')} {o.get('phase', '?')}: "
                 f"tried to allocate {format_size(o.get('size', 0))} with {format_size(o.get('allocated', 0))} live, "
-                f"{format_size(o.get('reserved', 0))} reserved of {format_size(self.usable)} usable")
+                f"{format_size(o.get('reserved', 0))} reserved of {format_size(self.usable)} usable{upper}")
 
     def table(self, top: int = 5) -> str:
         """The verdict, then the figures a person reads in ten seconds."""
@@ -122,6 +134,11 @@ class Prediction(TextAsHtml):
             rows += [("allocated at the OOM", format_size(o.get("allocated", 0))),
                      ("reserved at the OOM", format_size(o.get("reserved", 0))),
                      ("request that failed", format_size(o.get("size", 0)))]
+        if self.streams:
+            rows.append(("side streams", ", ".join(self.streams.values()) + " (own free blocks)"))
+        for region in self.compiled_regions:
+            how = "as compiled" if region.get("how") == "compiled" else "as EAGER: an upper bound"
+            rows.append((f"compiled {region.get('name', '?')}", f"predicted {how} ({region.get('why', '')})"))
         w = self.where_peak
         if w:
             rows.append((f"{label}", f"step {w.get('step')}, {w.get('phase')}, {w.get('module') or '(outside modules)'}"
@@ -153,10 +170,11 @@ def _with_overheads(trace: Trace, overheads: GpuOverheads, include_host: bool) -
         left_out = trace.alloc_category == CATEGORIES.index("deferred")
         if not include_host:
             left_out |= trace.alloc_category == CATEGORIES.index("host")
-        mem = kind <= FREE
+        mem = (kind <= FREE) | (kind == USE)
         keep[mem] = ~left_out[ids[mem]]
     src = np.flatnonzero(keep)
     kind, ids, size, stream = kind[src], ids[src], size[src], stream[src]
+    kind, ids, size, stream, src = _synchronize_at_step_ends(kind, ids, size, stream, src)
     extra = [(name, value) for name, value, where in overheads.items() if where == "allocator"]
     if not extra:
         return kind, ids, size, stream, src
@@ -170,6 +188,22 @@ def _with_overheads(trace: Trace, overheads: GpuOverheads, include_host: bool) -
             np.concatenate([size[:at], add_size, size[at:]]),
             np.concatenate([stream[:at], np.zeros(len(extra), np.uint64), stream[at:]]),
             np.concatenate([src[:at], np.full(len(extra), -1, np.int64), src[at:]]))
+
+
+def _synchronize_at_step_ends(kind: np.ndarray, ids: np.ndarray, size: np.ndarray, stream: np.ndarray,
+                              src: np.ndarray) -> tuple[np.ndarray, ...]:
+    """A SYNC of every stream before each step marker, when the trace records stream uses: a
+    training loop waits for its step at the step's end (``loss.item()``, logging, the next
+    batch's copy), so by then a GPU has finished the side streams' work and ``record_stream``'s
+    waiting blocks are back in their pools. Between step ends they wait for the trace's own
+    SYNC events (or, as PyTorch does, for a synchronize before an out-of-memory error)."""
+    if not (kind == USE).any():
+        return kind, ids, size, stream, src
+    at = np.flatnonzero(kind == STEP)
+    n = len(at)
+    return (np.insert(kind, at, np.full(n, SYNC, np.uint8)), np.insert(ids, at, np.full(n, -1, np.int64)),
+            np.insert(size, at, np.zeros(n, np.uint64)), np.insert(stream, at, np.zeros(n, np.uint64)),
+            np.insert(src, at, np.full(n, -1, np.int64)))
 
 
 def _describe_event(trace: Trace, event: int, phases: np.ndarray, steps: np.ndarray) -> dict[str, Any]:
@@ -284,7 +318,27 @@ def replay(trace: Trace, gpu: GpuSpec, alloc_conf: AllocConf = None, *,
                       reserved_at_peak_allocated=int(res["reserved_at_peak_allocated"]),
                       peak_event=int(src[focus]) if oom is None and focus >= 0 else -1, where_peak=where,
                       by_category=by_category, by_module=by_module, oom=oom, events=int(res["events"]), replay_seconds=seconds, source=str(trace.meta.get("source", "")),
-                      curves=out_curves)
+                      curves=out_curves, streams=_stream_names(trace),
+                      compiled_regions=_compiled_regions(trace))
+
+
+def _stream_names(trace: Trace) -> dict[str, str]:
+    """The capture's names of its side streams (``meta["streams"]``), kept only if well-formed:
+    meta may come from a file."""
+    names = trace.meta.get("streams")
+    if not isinstance(names, dict):
+        return {}
+    return {str(k): str(v)[:80] for k, v in list(names.items())[:64]}
+
+
+def _compiled_regions(trace: Trace) -> list[dict[str, Any]]:
+    """The capture's ``meta["compiled_regions"]``, kept only where well-formed (meta may come from
+    a file): name, how, why and backend as short strings."""
+    regions = trace.meta.get("compiled_regions")
+    if not isinstance(regions, list):
+        return []
+    return [{k: str(r.get(k, ""))[:200] for k in ("name", "how", "why", "backend")}
+            for r in regions[:64] if isinstance(r, dict)]
 
 
 def peak_live_bytes(trace: Trace, *, rounded: bool = False, categories: Sequence[str] | None = None) -> int:
