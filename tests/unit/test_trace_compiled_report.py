@@ -40,3 +40,17 @@ def test_all_compiled_is_not_an_upper_bound():
 def test_malformed_regions_are_dropped(regions):
     p = vt.replay(trace_with(regions), "1GiB")
     assert p.compiled_regions == [] and "compiled" not in p.table()
+
+
+def test_fit_says_its_largest_batch_is_a_lower_bound():
+    from vramkit.trace.fitting.fit_search import FitReport
+    from vramkit.trace.fitting.probes import Probe
+
+    regions = [{"name": "model (GPT)", "how": "eager upper bound", "why": "a cpu capture", "backend": "inductor"}]
+    p = vt.replay(trace_with(regions), "1GiB")
+    report = FitReport(gpu=p.gpu, target_batch_size=None, max_batch_size=8, probes=[Probe(8, p, 0.0)], searched_up_to=64)
+    assert report.eager_bound_regions == ["model (GPT)"]
+    assert "largest batch size that fits: 8 (at least: compiled model (GPT) predicted as eager" in report.table()
+    plain = FitReport(gpu=p.gpu, target_batch_size=None, max_batch_size=8,
+                      probes=[Probe(8, vt.replay(trace_with([]), "1GiB"), 0.0)], searched_up_to=64)
+    assert "at least" not in plain.table()

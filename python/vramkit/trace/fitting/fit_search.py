@@ -63,6 +63,15 @@ class FitReport(TextAsHtml):
         """The GPU's memory (``Target.capacity``)."""
         return self.gpu.capacity
 
+    @property
+    def eager_bound_regions(self) -> list[str]:
+        """Compiled regions that some probe predicted as eager: there the answers are bounds
+        (a batch that fits fits; the largest may be larger)."""
+        names: dict[str, None] = {}
+        for pr in [p.prediction for p in self.probes] + ([self.target] if self.target is not None else []):
+            names.update(dict.fromkeys(pr.eager_bound_regions))
+        return list(names)
+
     def trace(self, batch_size: int) -> Trace:
         """The trace this fit replayed at `batch_size` (the step as written: no checkpointing or
         autocast added), so that it need not be captured again. ``KeyError`` if none was."""
@@ -79,7 +88,10 @@ class FitReport(TextAsHtml):
         if self.searched_up_to:
             if self.max_batch_size:
                 cap = " (the search's cap)" if self.max_batch_size >= self.searched_up_to else ""
-                lines.append(f"largest batch size that fits: {self.max_batch_size}{cap}")
+                bound = self.eager_bound_regions
+                low = (f" (at least: compiled {', '.join(bound[:3])}{' ...' if len(bound) > 3 else ''} predicted "
+                       "as eager, which holds more)") if bound else ""
+                lines.append(f"largest batch size that fits: {self.max_batch_size}{cap}{low}")
             else:
                 lines.append("no batch size fits: even batch size 1 runs out of memory")
         if self.probes and (self.searched_up_to or len(self.probes) > 1):
