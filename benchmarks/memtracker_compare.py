@@ -5,11 +5,13 @@ forward or not, bf16 parameters with checkpointed blocks) and DDP, AdamW, batch 
 one rank of a world of 2 (and 4 for the GPT under the FSDP2 variants), rank 0 and the last rank:
 
 * measured: a real gloo job (torch.multiprocessing.spawn, one process per rank), that rank's
-  peak of live storage bytes from nothing (build: model, wrapper, optimizer, batch) to the
-  end of the second step, without the full-size copies gloo makes inside its reduce-scatter;
-  the smallest of three runs (sharded_models.measure_rank, as benchmarks/sharded_predict.py
-  and tests/unit/test_trace_distributed.py use it). torch.profiler's peak of the same runs
-  (allocator events on the main thread, smallest of three) is shown beside it;
+  peak of the CPU allocator's exact total (torch.profiler's allocator events with c10's
+  all-thread count; tests/unit/peaks.py ``allocator_peaks``) from nothing (build: model,
+  wrapper, optimizer, batch) to the end of the second step, without what gloo itself holds
+  (its copy of a reduce-scatter input, its all-gather temporaries); the smallest of three runs
+  (sharded_models.measure_rank, as benchmarks/sharded_predict.py and
+  tests/unit/test_trace_distributed.py use it). The plain sum of torch.profiler's events is
+  shown beside it: it misses frees done on gloo's worker threads;
 * vramkit: ``vramkit.trace.capture(build, device="meta", steps=2, world_size=N, rank=r)``,
   peak of live storage bytes of the trace (tests/unit/peaks.py ``total_peak``): what a GPU
   would hold, so CPU-side storages are left out (AdamW's ``step`` counters, FSDP2's device-mesh
@@ -164,7 +166,7 @@ def main() -> int:
              "(KiB) | / measured | time: real run / vramkit / tracker CPU / tracker fake (s) |"),
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for rec in records:
-        m = rec["measured"]["storages"]
+        m = rec["measured"]["no_backend"]
         v = rec["vramkit"]
         cells = []
         for key in ("tracker_cpu", "tracker_fake"):
@@ -174,14 +176,14 @@ def main() -> int:
         times = [f"{rec['measured']['seconds']:.1f}", f"{v['seconds']:.2f}"] + \
             [f"{rec[k]['seconds']:.2f}" if "seconds" in rec[k] else "—" for k in ("tracker_cpu", "tracker_fake")]
         rows.append(f"| {rec['model']} {rec['strategy']} | {rec['world_size']} | {rec['rank']} | {_kib(m)} | "
-                    f"{_kib(rec['measured']['profiler'])} | {_kib(v['peak'])} | {v['peak'] / m:.4f} | "
+                    f"{_kib(rec['measured']['main'])} | {_kib(v['peak'])} | {v['peak'] / m:.4f} | "
                     f"{'build' if v['peak_in_step'] == 0 else 'step ' + str(v['peak_in_step'])} | {tool} | "
                     f"{' | '.join(cells)} | {' / '.join(times)} |")
     print("\n".join(rows))
 
     print()
     rows = [("| case | world | rank | tracker − vramkit (B) | measured − vramkit (B) | host storages live at vramkit's "
-             "peak, left out (count, B) | gloo's own copies made over the run, left out of measured (B) | tracker's peak by category (B) |"),
+             "peak, left out (count, B) | gloo's own copies at the peak, left out of measured (B) | tracker's peak by category (B) |"),
             "|---|---|---|---|---|---|---|---|"]
     for rec in records:
         tr = rec["tracker_cpu"]
@@ -189,8 +191,8 @@ def main() -> int:
         diff = f"{tr['peak'] - v['peak']:+d}" if "peak" in tr else "—"
         cats = ", ".join(f"{k}: {n}" for k, n in tr.get("peak_snapshot", {}).items() if n and k != "Total")
         rows.append(f"| {rec['model']} {rec['strategy']} | {rec['world_size']} | {rec['rank']} | {diff} | "
-                    f"{rec['measured']['storages'] - v['peak']:+d} | {v['host_allocations_at_peak']}, "
-                    f"{v['host_bytes_at_peak']} | {rec['measured']['gloo_internal_bytes']} | {cats} |")
+                    f"{rec['measured']['no_backend'] - v['peak']:+d} | {v['host_allocations_at_peak']}, "
+                    f"{v['host_bytes_at_peak']} | {rec['measured']['backend']} | {cats} |")
     print("\n".join(rows))
 
     if args.json:

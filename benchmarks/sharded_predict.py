@@ -43,8 +43,8 @@ def gloo_part(world_sizes: list[int]) -> list[str]:
     from peaks import total_peak
 
     configs = [(m, s) for m in ("gpt", "cnn") for s in sm.STRATEGIES]
-    rows = ["| model | strategy | world | rank | predicted (KiB) | measured storages (KiB) | predicted / measured "
-            "| gloo's own copies (KiB) | torch.profiler (KiB) | predicted / profiler |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| model | strategy | world | rank | predicted (KiB) | measured, gloo's copies left out (KiB) | predicted / measured "
+            "| gloo's copies at the peak (KiB) | torch.profiler events' sum (KiB) | predicted / events' sum |", "|---|---|---|---|---|---|---|---|---|---|"]
     for n in world_sizes:
         out = tempfile.mkdtemp()
         t0 = time.perf_counter()
@@ -56,9 +56,9 @@ def gloo_part(world_sizes: list[int]) -> list[str]:
                 real = ranks[r][f"{model}/{strategy}"]
                 p = total_peak(vt.capture(sm.builder(model, strategy), device="meta", steps=2, cuda=False,
                                           world_size=n, rank=r))
-                rows.append(f"| {model} | {strategy} | {n} | {r} | {p / 1024:.1f} | {real['storages'] / 1024:.1f} | "
-                            f"{p / real['storages']:.4f} | {real['gloo_internal_bytes'] / 1024:.1f} | "
-                            f"{real['profiler'] / 1024:.1f} | {p / real['profiler']:.4f} |")
+                rows.append(f"| {model} | {strategy} | {n} | {r} | {p / 1024:.1f} | {real['no_backend'] / 1024:.1f} | "
+                            f"{p / real['no_backend']:.4f} | {real['backend'] / 1024:.1f} | "
+                            f"{real['main'] / 1024:.1f} | {p / real['main']:.4f} |")
     return rows
 
 

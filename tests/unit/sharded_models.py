@@ -1,6 +1,7 @@
 """Small models and sharded training steps for the distributed tests: a GPT-style decoder and a
 CNN, wrapped with DDP, FSDP2 (reshard after forward or not; bf16 parameters with checkpointed
-blocks) or ZeroRedundancyOptimizer. A builder makes the model, the wrapper, AdamW and one batch
+blocks, the GPT's; deferred initialization: built on meta, sharded, then ``to_empty``) or
+ZeroRedundancyOptimizer. A builder makes the model, the wrapper, AdamW and one batch
 on the current default device, using whatever default process group is initialized, and
 returns the step (two lines, as a training loop writes them)."""
 
@@ -129,29 +130,19 @@ def measure_rank(rank: int, world_size: int, store_file: str, configs: list[tupl
     """One rank of a real gloo job (torch.multiprocessing.spawn's target). The ranks meet through
     a FileStore at `store_file`, a path no earlier job used, as PyTorch's own multi-process tests
     do: no port to choose (a port found free and closed again can be taken by another process
-    before the store binds it). For each (model, strategy): build and run two steps, measured
-    two ways, and write rank<r>.json:
-
-    * "storages": vramkit's capture on the CPU (every storage's life, its end seen by a
-      finalizer) with the real gloo group: the peak of live storage bytes from nothing to the
-      end of the second step, and apart the bytes of storages gloo made inside its
-      collectives (first seen after they were made: "(first use)"; the 4-byte step counters
-      AdamW makes with torch.tensor are first seen that way too, and stay counted). The
-      smallest of `repeats` runs: a gloo work keeps its tensors until its worker thread lets
-      go of it, which happens at its own pace, so a buffer FSDP2 has dropped can outlive it
-      now and then (all runs are kept in "storages_runs");
-    * "profiler": torch.profiler's allocator events over the same, on this thread; the
-      smallest of `repeats` runs too.
-    """
+    before the store binds it). For each (model, strategy): build and run two steps under
+    torch.profiler `repeats` times, and write rank<r>.json with, per figure of
+    ``peaks.allocator_peaks`` (the allocator's own accounting, nothing of vramkit's), the
+    smallest over the runs and every run's value ("<figure>_runs"): a gloo work keeps its
+    tensors until its worker thread lets go of it, at its own pace, so a buffer FSDP2 has
+    dropped outlives it now and then, in some runs."""
     import gc
     import json
     import os
 
-    import numpy as np
     import torch.distributed as dist
 
-    import vramkit.trace as vt
-    from peaks import profiler_total_peak, total_peak
+    from peaks import profiler_total_peak
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, store=dist.FileStore(store_file, world_size))
@@ -161,18 +152,10 @@ def measure_rank(rank: int, world_size: int, store_file: str, configs: list[tupl
             runs = []
             for _ in range(repeats):
                 gc.collect()
-                t = vt.capture(builder(model, strategy), device="cpu", steps=2, cuda=False)
-                ops = np.array([t.name_of("ops", int(o)) if o >= 0 else "" for o in t.alloc_op])
-                inside = (ops == "(first use)") & (t.alloc_size > 64)  # not the optimizer's torch.tensor(0.0) steps
-                t.alloc_category[inside] = vt.CATEGORIES.index("host")  # left out of total_peak
-                runs.append((total_peak(t), int(t.alloc_size[inside].sum())))
-            profiled = []
-            for _ in range(repeats):
-                gc.collect()
-                profiled.append(profiler_total_peak(builder(model, strategy), steps=2)[0])
-            results[f"{model}/{strategy}"] = {
-                "storages": min(runs)[0], "storages_runs": [r[0] for r in runs], "gloo_internal_bytes": min(runs)[1],
-                "profiler": min(profiled), "profiler_runs": profiled}
+                runs.append(profiler_total_peak(builder(model, strategy), steps=2))
+            row = {k: min(r[k] for r in runs) for k in runs[0]}
+            row.update({f"{k}_runs": [r[k] for r in runs] for k in runs[0]})
+            results[f"{model}/{strategy}"] = row
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)

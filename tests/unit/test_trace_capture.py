@@ -1,6 +1,7 @@
-"""vramkit.trace.capture: the trace of a real PyTorch training step, checked against a live
-CPU run measured by vramkit.torch.track(), against the same capture on the other device, and
-against the models' own parameter counts."""
+"""vramkit.trace.capture: the trace of a real PyTorch training step, checked against PyTorch's
+own allocator accounting of a live CPU run (torch.profiler's allocator events, read by
+``peaks.allocator_peaks``: nothing of vramkit's takes part), against the same capture on the
+other device, and against the models' own parameter counts."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trace_models import GPT, GPTConfig, ResNet, gpt_builder, resnet_builder  # noqa: E402
 
 from vramkit import trace as vt  # noqa: E402
-from vramkit.torch import track  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peaks import profiler_total_peak  # noqa: E402
 
 MODELS = {
     "gpt-sdpa": gpt_builder(GPTConfig()),
@@ -29,9 +32,8 @@ COLUMNS = ("kind", "id", "size", "stream", "alloc_dtype", "alloc_category", "all
 
 def step_peak(t: vt.Trace) -> int:
     """Peak of the live bytes of storages created inside the steps (not in the builder), in
-    NumPy: what track() measures around the same steps. Host-side scalars (Adam's step
-    counters, made by torch.tensor() outside any operation) are left out: track() counts only
-    operation outputs, and a GPU run keeps them in host memory."""
+    NumPy. Host-side scalars (Adam's step counters, made by torch.tensor() outside any
+    operation) are left out: a GPU run keeps them in host memory."""
     first_step = np.flatnonzero(t.kind == vt.STEP)[0]
     counted = (t.alloc_index > first_step) & (t.alloc_category != vt.CATEGORIES.index("host"))
     mem = t.kind <= vt.FREE
@@ -42,15 +44,30 @@ def step_peak(t: vt.Trace) -> int:
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("batch", [1, 3, 8])
-def test_cpu_capture_peak_equals_a_live_cpu_run(name, batch):
+def test_capture_peak_against_pytorchs_allocator_accounting(name, batch):
+    """The prediction (a meta capture) against torch.profiler's allocator events of the same two
+    steps run for real on the CPU, the model built before the profile (the steps' own bytes).
+
+    The GPTs: within 0.5 % (measured 0.00-0.17 %: the host scalars Adam makes, left out of the
+    prediction, and checkpointing's small saved tensors). The ResNet: CPU convolutions allocate
+    scratch inside the op (im2col columns, oneDNN's reordered weights; 0.3-0.9 MB here, 12-28 %
+    of the peak) that no capture of op outputs sees and a GPU replaces with cuDNN's workspace
+    (a line item of its own). The prediction lies between the real figure with every op's own
+    allocate-and-free ("scratch") and the figure without any: that netting also takes out the
+    temporaries of composite ops (batch norm, conv2d), which the capture does see, so the
+    prediction is up to 2 % above the netted figure (3 % allowed)."""
     build = MODELS[name]
-    trace = vt.capture(build, batch, device="cpu", steps=2)
+    predicted = step_peak(vt.capture(build, batch, device="meta", steps=2, cuda=False))
     step = build(batch)  # the same model, built for real outside any capture
-    with track() as meter:
-        step()
-        step()
-    assert step_peak(trace) == meter.peak
-    assert meter.peak > 0
+    real = profiler_total_peak(lambda: step)
+    assert real["backend"] == 0 and real["unseen_frees"] == 0, real  # one thread, no process group
+    if name.startswith("gpt"):
+        assert abs(predicted - real["all"]) <= 0.005 * real["all"], (predicted, real)
+        assert real["scratch"] <= 0.001 * real["all"], real
+    else:
+        assert real["no_backend_netted"] <= predicted <= real["all"], (predicted, real)
+        assert predicted - real["no_backend_netted"] <= 0.03 * real["no_backend_netted"], (predicted, real)
+        assert real["scratch"] > 0  # what the CPU's convolutions allocate inside themselves
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -4,24 +4,37 @@ bad input.
 
 The real runs: ``torch.multiprocessing.spawn`` starts N processes (N = 2 and 4) that form a gloo
 group on this machine; every rank runs each model (a GPT-style decoder and a CNN, from
-``sharded_models``) under each strategy (DDP, FSDP2 with ``reshard_after_forward`` True and
-False, FSDP2 with bf16 parameters and checkpointed blocks, ZeroRedundancyOptimizer) from
-nothing to the end of its second step, and measures its peak of live storage bytes. The
-prediction for that rank is a meta capture under the capture's process group, in this process.
+``sharded_models``) under each strategy (DDP; FSDP2 with ``reshard_after_forward`` True and
+False, with bf16 parameters (and checkpointed blocks, the GPT's), and with deferred
+initialization; ZeroRedundancyOptimizer) from nothing to the end of its second step under
+torch.profiler, three times. The reference is PyTorch's allocator accounting of those runs
+(``peaks.allocator_peaks``): nothing of vramkit's takes part in it. The prediction for that
+rank is a meta capture under the capture's process group, in this process.
 
-Two differences are explained, and handled, here:
+What differs between the two, each measured and named here (figures on 2 ranks, GPT):
 
-* **gloo's own copies.** gloo runs a reduce-scatter as an all-reduce of a full-size copy of the
-  input, made inside the backend's C++ (NCCL reduces in place). Such storages are first seen
-  by the capture after they were made ("(first use)"); the real run's figure leaves them out,
-  and the test reports their size. The prediction has none (asserted).
-* **When gloo lets go.** A gloo work holds its tensors (the copy, and the reduce-scatter's
-  input) until its worker thread drops it, at its own pace: now and then a buffer FSDP2 has
-  already released outlives it, and the real peak rises by up to one block's buffers (1-2 %
-  of these small models; torch.profiler's figure for FSDP2 moves by up to ~15 % with the
-  copies). Each rank therefore runs each configuration three times and the smallest peak is
-  compared. For DDP and ZeroRedundancyOptimizer gloo makes no copies, and torch.profiler's
-  figure (smallest of three runs) is compared too.
+* **Frees torch.profiler does not see.** A gloo work holds its tensors; when its worker thread,
+  not the training thread, drops the last reference, the storage is freed on a thread the
+  profiler does not follow and no event says so: the events' own sum stays high to the end of
+  the run. With FSDP2 that is an all-gather output or a reduce-scatter input, now and then:
+  the events' sum puts FSDP2 at up to 0.80-0.92 of the prediction's bytes (issue 33). The
+  reference reads the allocator's own total instead, counted on every thread (c10's
+  ``caffe2_report_cpu_memory_usage``), and pairs each unseen free with its storage.
+* **gloo's own copies** ("backend"). gloo runs a reduce-scatter as an all-reduce of a
+  full-size copy of the input, made inside the c10d op, and its all-gather fills full-size
+  temporaries; NCCL reduces and gathers in place, into the caller's buffers. Leaving out what
+  the backend's scopes hold gives what an NCCL run of the same steps would hold: FSDP2's peak
+  is at the root's reduce-scatter, 103 KB (fp32) and 399 KB (bf16) below the figure with them.
+  The prediction has none of them (asserted); DDP and ZeroRedundancyOptimizer make none.
+* **CPU kernels' scratch** ("scratch"). With bf16, oneDNN's matmuls and convolutions reorder
+  their operands into buffers they allocate and free inside the op (94 KB GPT, 64 KB CNN; and
+  11-13 KB for the CNN's fp32 convolutions on 4 ranks), which a GPU's cuBLAS and cuDNN do in
+  their workspaces. With each op's own allocate-and-free
+  left out, the prediction is within 1 %; with them, below by that scratch (at most 6 %: the
+  CNN's bf16 convolutions on 4 ranks).
+* **When gloo lets go.** A buffer FSDP2 has released can outlive it inside a gloo work until
+  the worker thread drops it: a real run's peak then rises by up to one block's buffers. The
+  smallest of three runs is compared.
 """
 
 from __future__ import annotations
@@ -75,17 +88,22 @@ def test_each_rank_against_a_real_gloo_run(real_runs):
                          if t.alloc_op[i] >= 0 and t.name_of("ops", int(t.alloc_op[i])) == "(first use)"]
             assert max(first_use, default=0) <= 8, first_use  # no backend-internal storages: AdamW's step scalars only
             p = total_peak(t)
-            rows.append((model, strategy, rank, p, real["storages"], real["gloo_internal_bytes"], real["profiler"]))
-            assert abs(p - real["storages"]) <= 0.01 * real["storages"], rows[-1]
-            if strategy in ("ddp", "zero"):  # gloo copies nothing here: the profiler agrees too
-                assert real["gloo_internal_bytes"] == 0, rows[-1]
-                # ... except that DDP rebuilds its buckets in the second step's forward, and the
-                # old ones die only when gloo's work on them is dropped, at the worker thread's
-                # pace: in slow runs (ASan) all three profiled runs held both for a moment, one
-                # bucket set (the gradients' bytes) above the prediction: either that or nothing.
-                over = real["profiler"] - p
-                assert abs(over) <= 0.01 * real["profiler"] or (
-                    strategy == "ddp" and abs(over - _bucket_set(t)) <= 0.01 * real["profiler"]), rows[-1]
+            row = (model, strategy, rank, p, real["no_backend_netted"], real["no_backend"], real["all"], real["main"])
+            rows.append(row)
+            # DDP rebuilds its buckets in the second step's forward, and the old ones die only
+            # when gloo's work on them is dropped, at the worker thread's pace: in slow runs (ASan)
+            # all three runs held both for a moment, one bucket set (the gradients' bytes) above
+            # the prediction: either that or nothing.
+            held = _bucket_set(t) if strategy == "ddp" and real["no_backend_netted"] - p > _bucket_set(t) / 2 else 0
+            # An NCCL run's figure (gloo's copies left out), the CPU kernels' scratch left out: 1 %.
+            nccl = real["no_backend_netted"]
+            assert abs(p + held - nccl) <= 0.01 * nccl, row
+            # With the scratch: below, by no more than the scratch (6 % at most here: the CNN's
+            # bf16 convolutions on 4 ranks; 0-2 % elsewhere).
+            short = real["no_backend"] - (p + held)
+            assert -0.01 * real["no_backend"] <= short <= real["scratch"] + 0.01 * real["no_backend"], row
+            if strategy in ("ddp", "zero"):  # gloo copies nothing here
+                assert real["backend"] == 0, row
     # ZeroRedundancyOptimizer gives whole parameters to ranks: their optimizer states differ,
     # and the prediction follows each rank.
     zero = [r for r in rows if r[0] == "gpt" and r[1] == "zero"]
@@ -136,8 +154,8 @@ def test_fsdp2_model_state_is_the_closed_form(world_size):
 def test_deferred_initialization_holds_no_memory():
     """FSDP2's recipe builds the model on meta, shards it, then ``to_empty`` allocates the
     shards: the meta-built full parameters hold nothing in a real run. The prediction leaves
-    them out ("deferred") and equals the same model built directly, and the CPU run of the
-    recipe (where meta storage is not memory)."""
+    them out ("deferred") and equals the same model built directly, and the same capture on the
+    CPU (where meta storage is not memory); the real gloo runs above check the recipe itself."""
     for model in ("gpt", "cnn"):
         deferred = predict(model, "fsdp2-deferred", 2, 1)
         direct = predict(model, "fsdp2", 2, 1)
