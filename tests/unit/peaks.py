@@ -139,15 +139,17 @@ def allocator_peaks(events) -> dict[str, int]:
             ends[last.pop(ptr)] = ("free", op) if n < 0 else ("unseen", "")
         if n > 0:
             last[ptr] = k
-    live: dict[int, tuple[int, bool, bool]] = {}  # ptr -> (bytes, the backend's, an op's scratch)
-    unseen: dict[int, list[int]] = {}  # size -> live ptrs whose free is never seen
+    live: dict[int, tuple[int, bool, bool, int]] = {}  # ptr -> (bytes, the backend's, an op's scratch, event)
+    # size -> (ptr, event) of storages whose free is never seen; an entry is stale once its ptr
+    # was dropped (allocated again) and is skipped then
+    unseen: dict[int, list[tuple[int, int]]] = {}
     held = {"backend": 0, "scratch": 0}
     main = before = 0  # the events' sum; bytes of storages from before the run freed in it
     peaks = dict.fromkeys(("main", "all", "no_backend", "no_backend_netted"), 0)
     prev_total = base = events[0][3] - events[0][2]
 
     def drop(ptr: int) -> None:
-        size, by_backend, is_scratch = live.pop(ptr)
+        size, by_backend, is_scratch, _ = live.pop(ptr)
         held["backend"] -= size if by_backend else 0
         held["scratch"] -= size if is_scratch else 0
 
@@ -158,7 +160,10 @@ def allocator_peaks(events) -> dict[str, int]:
             if size is None:
                 before -= gap  # freed unseen, allocated before the run
                 break
-            drop(unseen[size].pop())
+            ptr_u, k_u = unseen[size].pop()
+            if live.get(ptr_u, (0, False, False, -1))[3] != k_u:
+                continue  # stale: that storage was dropped when its address came back
+            drop(ptr_u)
             gap += size
         main += n
         if n > 0:
@@ -166,11 +171,11 @@ def allocator_peaks(events) -> dict[str, int]:
                 drop(ptr)
             end, end_op = ends.get(k, ("unseen", ""))
             is_scratch = bool(op) and end == "free" and end_op == op
-            live[ptr] = (n, by_backend, is_scratch)
+            live[ptr] = (n, by_backend, is_scratch, k)
             held["backend"] += n if by_backend else 0
             held["scratch"] += n if is_scratch else 0
             if end == "unseen":
-                unseen.setdefault(n, []).append(ptr)
+                unseen.setdefault(n, []).append((ptr, k))
         elif ptr in live:
             drop(ptr)
         else:
