@@ -7,8 +7,12 @@ Part 1: real gloo runs on this machine
   ZeroRedundancyOptimizer. For each rank:
   * predicted: the meta capture of that rank under the capture's process group, peak of live
     storage bytes from nothing to the end of the second step;
-  * measured: the real run's peak of live storage bytes (smallest of three runs), without the
-    copies gloo makes inside its reduce-scatter, and torch.profiler's peak (smallest of three).
+  * measured: the real run's peak from torch.profiler's allocator events with c10's exact total
+    (every thread; tests/unit/peaks.py), smallest of three runs, without what gloo itself holds
+    (its copies and temporaries; NCCL keeps none in PyTorch's allocator), and the same without
+    what a CPU kernel allocates and frees inside itself (oneDNN's bf16 scratch: on a GPU,
+    cuBLAS/cuDNN workspaces); and the profiler events' own sum, as it is usually read (it misses
+    the frees gloo's worker threads do, so it only grows).
 
 Part 2: single-rank runs on an H200
   The figures benchmarks/gpu/sharded_gpu.py recorded (benchmarks/gpu/results/h200-2026-11-26),
@@ -44,7 +48,8 @@ def gloo_part(world_sizes: list[int]) -> list[str]:
 
     configs = [(m, s) for m in ("gpt", "cnn") for s in sm.STRATEGIES]
     rows = ["| model | strategy | world | rank | predicted (KiB) | measured, gloo's copies left out (KiB) | predicted / measured "
-            "| gloo's copies at the peak (KiB) | torch.profiler events' sum (KiB) | predicted / events' sum |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "| kernels' scratch (KiB) | predicted / measured less scratch | gloo's copies at the peak (KiB) "
+            "| torch.profiler events' sum (KiB) | predicted / events' sum |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n in world_sizes:
         out = tempfile.mkdtemp()
         t0 = time.perf_counter()
@@ -57,7 +62,8 @@ def gloo_part(world_sizes: list[int]) -> list[str]:
                 p = total_peak(vt.capture(sm.builder(model, strategy), device="meta", steps=2, cuda=False,
                                           world_size=n, rank=r))
                 rows.append(f"| {model} | {strategy} | {n} | {r} | {p / 1024:.1f} | {real['no_backend'] / 1024:.1f} | "
-                            f"{p / real['no_backend']:.4f} | {real['backend'] / 1024:.1f} | "
+                            f"{p / real['no_backend']:.4f} | {real['scratch'] / 1024:.1f} | "
+                            f"{p / real['no_backend_netted']:.4f} | {real['backend'] / 1024:.1f} | "
                             f"{real['main'] / 1024:.1f} | {p / real['main']:.4f} |")
     return rows
 
