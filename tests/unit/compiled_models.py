@@ -26,8 +26,8 @@ from trace_models import GPT, GPTConfig, ResNet  # noqa: E402
 Backend = str | None  # None: eager; else torch.compile's backend
 
 
-def _compiled(model: nn.Module, backend: Backend) -> Callable[..., Any]:
-    return model if backend is None else torch.compile(model, backend=backend)
+def _compiled(model: nn.Module, backend: Backend, dynamic: bool | None = None) -> Callable[..., Any]:
+    return model if backend is None else torch.compile(model, backend=backend, dynamic=dynamic)
 
 
 def gpt_step(cfg: GPTConfig, backend: Backend) -> Callable[[int], Callable[[], None]]:
@@ -96,12 +96,12 @@ class MLP(nn.Module):
         return self.head(x)
 
 
-def mlp_step(backend: Backend, d: int = 512) -> Callable[[int], Callable[[], None]]:
+def mlp_step(backend: Backend, d: int = 512, dynamic: bool | None = None) -> Callable[[int], Callable[[], None]]:
     def build(batch: int) -> Callable[[], None]:
         torch.manual_seed(0)
         model = MLP(d)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        forward = _compiled(model, backend)
+        forward = _compiled(model, backend, dynamic)
         x = torch.randn(batch, d)
         y = torch.randint(0, 10, (batch,))
 
@@ -225,8 +225,16 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--gc-off", action="store_true",
+                        help="no garbage collection: a buffer held by a reference cycle (Hugging Face GPT-2's "
+                             "logits) is freed when the collector runs, at moments that differ between a real run "
+                             "and a capture (which makes more Python objects)")
     parser.add_argument("rows", nargs="*", help="model:batch (default: all)")
     ns = parser.parse_args()
+    if ns.gc_off:
+        import gc
+
+        gc.disable()
     wanted = [(r.split(":")[0], int(r.split(":")[1])) for r in ns.rows] or \
         [("mlp", 64), ("cnn", 8), ("gpt-small", 4), ("gpt-d256-s256", 4), ("gpt-d256-s256", 8),
          ("gpt-lm-loss", 4), ("gpt-lm-loss", 8), ("gpt-lm-loss-opt", 4), ("hf-qwen2", 4), ("hf-gpt2", 4)]

@@ -162,6 +162,15 @@ def backend_name(callback: Any) -> str:
     return type(callback).__name__
 
 
+def _dynamo_control() -> tuple[type[BaseException], ...]:
+    """Exceptions dynamo raises through a backend to restart or skip its analysis (dynamic
+    shapes: a float input tensorified): not failures of the compile, never caught here.
+    (Imported when needed: ``import vramkit.trace`` does not load dynamo.)"""
+    from torch._dynamo.exc import RestartAnalysis, SkipFrame
+
+    return RestartAnalysis, SkipFrame
+
+
 def _relabel(values: Sequence[Any], src: torch.device, dst: torch.device) -> list[Any]:
     """Fake tensors among `values` on `src` relabelled `dst` in place; returns them, so the
     caller can relabel them back."""
@@ -265,6 +274,8 @@ def _inner(region: Region, real_inner: Callable[..., Any]) -> Callable[..., Any]
         try:
             with _no_function_modes():  # (a backward graph is lowered lazily, in the first backward)
                 out = real_inner(gm, example_inputs, **kwargs)
+        except _dynamo_control():
+            raise
         except Exception as exc:  # inductor could not lower it: run the partitioned graph op by op
             return _op_by_op(gm, region, f"a graph could not be lowered ({type(exc).__name__}: {str(exc)[:200]})")
         call = getattr(out, "current_callable", None)
@@ -435,6 +446,8 @@ def _install_meta_compile(stack: contextlib.ExitStack, state: CompiledRegions) -
             with _no_function_modes(), _fakes_on_cpu(changed):
                 return original_compile(model, example_inputs, inner_compile=_inner(region, real_inner),
                                         config_patches=patches, **kwargs)
+        except _dynamo_control():
+            raise
         except Exception as exc:
             state.eager(region, f"inductor could not compile it ({type(exc).__name__}: {str(exc)[:200]}): "
                                 "it ran as dynamo's graph, op by op")
