@@ -115,9 +115,9 @@ class _CaptureMode(TorchDispatchMode):
         return out
 
 
-class _MetaCaptureMode(_CaptureMode):
+class _CompilingCaptureMode(_CaptureMode):
     # Issue 33: dynamo compiles under this mode (off while it compiles, on while the compiled
-    # artifact runs) instead of skipping every frame; compiled_regions.py compiles on meta.
+    # artifact runs) instead of skipping every frame; compiled_regions.py says how.
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
@@ -208,10 +208,10 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
     and the bytes this rank sends. `sharding` (a ``ShardingChange``) runs the script's DDP or
     FSDP2 calls with a different strategy (FSDP2 instead of DDP, reshard_after_forward, bf16).
     `progress` receives a line every 5 s of a long capture (ops so far, the module running).
-    ``torch.compile``d regions (modules, functions) are captured as compiled on meta (inductor's
-    partition, fusion and buffer plan; issue 33) and listed in ``trace.meta["compiled_regions"]``,
-    each ``how`` "compiled" or "eager upper bound" (a cpu capture, a compiled optimizer step, an
-    unmodelled backend), with ``why``.
+    ``torch.compile``d regions (modules, functions) are captured as compiled (on meta, inductor's
+    partition, fusion and buffer plan without running a kernel; issue 33) and listed in
+    ``trace.meta["compiled_regions"]``, each ``how`` "compiled" or "eager upper bound" (a compiled
+    optimizer step, an unmodelled backend), with ``why``.
     Raises ``CaptureError`` (with the step's exception as cause) if the step raises;
     nothing is returned then.
     """
@@ -253,7 +253,7 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
             if group is not None:  # DDP's buckets: the only tensors all-reduced on the group object
                 group.on_allreduce = functools.partial(_buckets, rec)
             tag_args(rec, (args, kwargs))
-            mode = (_MetaCaptureMode if dev.type == "meta" else _CaptureMode)(rec)  # issue 33
+            mode = _CompilingCaptureMode(rec)  # issue 33
             mode.progress = progress
             values = mode.values
             with mode, (values.tolist() if values is not None else contextlib.nullcontext()), \

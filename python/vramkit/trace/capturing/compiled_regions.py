@@ -13,7 +13,7 @@ capture that lookup is replaced by one that also records the region (its name, i
 one entry per region with ``how`` ("compiled", or "eager upper bound": its figure is what
 eager would hold, more than compiled holds) and ``why``.
 
-Running them as compiled (meta captures only): the capture's mode says
+Running them as compiled: the capture's mode says
 ``ignore_compile_internals() is True`` there, so dynamo compiles with the mode off and runs the
 compiled artifact with the mode back on. Per backend:
 
@@ -39,9 +39,10 @@ The CPU lowering stands for the GPU's: on CUDA inductor fuses with Triton rather
 may choose other kernels (attention, matmul templates), and the capture's CUDA dispatch choices
 (``cuda_choices``) do not reach inside a compiled graph, which takes the CPU's.
 
-On a cpu capture the mode keeps ``ignore_compile_internals() is False`` (inductor's CPU wrapper
-allocates through a C++ fast path the mode never sees), so dynamo skips the regions and each
-is named as an eager upper bound.
+On a cpu capture the compile is inductor's real one (kernels compiled and run); only the
+wrapper's ``empty_strided_cpu``, a C++ fast path the capture's mode would not see, allocates
+through the dispatcher instead. Meta and cpu captures of a compiled step are then identical,
+event for event, as they are for eager steps (with CUDA's dispatch choices off).
 """
 
 from __future__ import annotations
@@ -105,9 +106,9 @@ class CompiledRegions:
         return region
 
     def _verdict(self, backend: str) -> tuple[str, str]:
-        if self.device_type == "cpu":
-            return EAGER_BOUND, ("a cpu capture runs compiled regions eagerly (dynamo skips frames under the "
-                                 "capture's dispatch mode); capture on meta to predict them as compiled")
+        if backend == "inductor" and self.device_type == "cpu":
+            return COMPILED, ("inductor's real CPU compile and run, its wrapper's buffers allocated through "
+                              "the dispatcher, which the capture sees")
         if backend == "inductor":
             return COMPILED, ("inductor: its AOT partition (saved vs recomputed) and its memory plan (fused "
                               "buffers, reuse, frees) from a lowering of each graph for the CPU")
@@ -264,6 +265,32 @@ def _meta_device(type: Any = None, index: Any = None) -> torch.device:
     return _META
 
 
+def _cpu_empty(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    # (a cpu capture: the same buffer as inductor's C++ fast path makes, through the dispatcher)
+    return torch.empty_strided(size, stride, dtype=dtype, device=_CPU)
+
+
+def _inner_cpu(region: Region, real_inner: Callable[..., Any]) -> Callable[..., Any]:
+    """inductor's inner compile on a cpu capture: the real one, kernels and all; only its
+    wrapper's buffers are allocated through the dispatcher, so the capture's mode sees them."""
+
+    def inner(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        region.graphs += 1
+        with _no_function_modes():
+            out = real_inner(gm, example_inputs, **kwargs)
+        call = getattr(out, "current_callable", None)
+        wrapper_globals = getattr(getattr(call, "__func__", call), "__globals__", None)
+        if call is None or wrapper_globals is None:
+            raise RuntimeError("inductor's output had no Python wrapper whose allocations a capture can see")
+        wrapper_globals["empty_strided_cpu"] = wrapper_globals["empty_strided_cpu_pinned"] = _cpu_empty
+        region.fused = True
+        out.current_callable = _counted(call, region)
+        return out
+
+    inner.vramkit_meta = True  # type: ignore[attr-defined]
+    return inner
+
+
 def _inner(region: Region, real_inner: Callable[..., Any]) -> Callable[..., Any]:
     """inductor's inner compile of one forward or backward graph (on fake tensors labelled
     CPU): inductor's own CPU lowering, its kernels no-ops, its wrapper run on meta; if that
@@ -370,9 +397,9 @@ def compiled_regions(device_type: str, names: dict[int, str] | None = None) -> I
         region = state.enter(fn if fn is not None else callback, backend)
         if chosen in (None, False):
             state.eager(region, "torch.compiler's stance runs it eagerly")
-        elif device_type == "meta" and backend not in _MODELLED:
+        elif backend not in _MODELLED:
             return None  # not modelled: run eagerly, captured op by op
-        elif device_type == "meta" and isinstance(getattr(fn, "__self__", None), torch.optim.Optimizer):
+        elif isinstance(getattr(fn, "__self__", None), torch.optim.Optimizer):
             # Dynamo creates an optimizer's state while it traces the step, with the capture's
             # mode off (it would be missed), and the step's hooks, which file the gradients
             # and the state, are compiled away: the step runs eagerly instead.
@@ -384,8 +411,7 @@ def compiled_regions(device_type: str, names: dict[int, str] | None = None) -> I
     with contextlib.ExitStack() as stack:
         eval_frame._callback_from_stance = callback_from_stance
         stack.callback(setattr, eval_frame, "_callback_from_stance", original_lookup)
-        if device_type == "meta":
-            _install_meta_compile(stack, state)
+        _install_compile(stack, state)
         previous, _ACTIVE = _ACTIVE, state
         stack.callback(_restore_active, previous)
         yield state
@@ -413,7 +439,7 @@ def _restore_active(previous: CompiledRegions | None) -> None:
     _ACTIVE = previous
 
 
-def _install_meta_compile(stack: contextlib.ExitStack, state: CompiledRegions) -> None:
+def _install_compile(stack: contextlib.ExitStack, state: CompiledRegions) -> None:
     import torch._dynamo.config as dynamo_config
     import torch._functorch.config as functorch_config
     import torch._inductor.compile_fx as compile_fx_module
@@ -434,6 +460,10 @@ def _install_meta_compile(stack: contextlib.ExitStack, state: CompiledRegions) -
         patches = {**(kwargs.pop("config_patches", None) or {}), "max_autotune": False,
                    "max_autotune_gemm": False, "coordinate_descent_tuning": False, "freezing": False,
                    "triton.cudagraphs": False}
+        if state.device_type == "cpu":  # a real compile; its failure is the step's, as without a capture
+            with _no_function_modes():
+                return original_compile(model, example_inputs, inner_compile=_inner_cpu(region, real_inner),
+                                        config_patches=patches, **kwargs)
         # The whole compile sees CPU tensors (see the module docstring); the graph as dynamo
         # made it is kept for the eager fallback.
         try:
@@ -457,13 +487,14 @@ def _install_meta_compile(stack: contextlib.ExitStack, state: CompiledRegions) -
             _relabel(changed, _CPU, _META)
 
     compile_fx_module.compile_fx = compile_fx  # type: ignore[assignment]  # (its signature, widened)
-    _composite_meta_kernels(stack)
     stack.callback(setattr, compile_fx_module, "compile_fx", original_compile)
-    # Kernels are never compiled (no C++ compiler run) nor run: on meta they have nothing to do.
-    for name in ("cpp", "cpp_pybinding"):
-        stack.callback(setattr, AsyncCompile, name, getattr(AsyncCompile, name))
-    AsyncCompile.cpp = lambda self, source_code: _no_kernel  # type: ignore[method-assign]
-    AsyncCompile.cpp_pybinding = lambda self, argtypes, source_code: _no_kernel  # type: ignore[method-assign]
+    if state.device_type == "meta":
+        _composite_meta_kernels(stack)
+        # Kernels are never compiled (no C++ compiler run) nor run: on meta they have nothing to do.
+        for name in ("cpp", "cpp_pybinding"):
+            stack.callback(setattr, AsyncCompile, name, getattr(AsyncCompile, name))
+        AsyncCompile.cpp = lambda self, source_code: _no_kernel  # type: ignore[method-assign]
+        AsyncCompile.cpp_pybinding = lambda self, argtypes, source_code: _no_kernel  # type: ignore[method-assign]
     # No cache in or out: a cached artifact would skip the wrapper patch above, and one made
     # here must never serve a real run. Static shapes, as a training run at one batch size
     # compiles them; recompiles for other batch sizes stay within a raised limit.
