@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import sys
 import threading
 from typing import Any, Callable, Iterator, Sequence
@@ -374,12 +375,37 @@ def _no_kernel(*args: Any) -> None:
 
 @contextlib.contextmanager
 def compiled_regions(device_type: str, names: dict[int, str] | None = None) -> Iterator[CompiledRegions]:
-    """For one capture: record the compiled regions entered and, on meta, compile them as the
-    module docstring says. Everything patched is restored on exit."""
+    """For one capture: record the compiled regions entered and compile them as the module
+    docstring says. Everything patched is restored on exit. Dynamo and inductor (2 s to import)
+    are loaded only when the process uses them: if ``torch.compile`` has not been called yet,
+    the patches go in at its first call during the capture."""
     global _ACTIVE
+    state = CompiledRegions(device_type, names)
+    with contextlib.ExitStack() as stack:
+        previous, _ACTIVE = _ACTIVE, state
+        stack.callback(_restore_active, previous)
+        if "torch._dynamo" in sys.modules:
+            _install(stack, state)
+        else:
+            original_compile = torch.compile
+            installed: list[bool] = []
+
+            @functools.wraps(original_compile)
+            def compile(*args: Any, **kwargs: Any) -> Any:
+                if not installed:
+                    installed.append(True)
+                    _install(stack, state)
+                return original_compile(*args, **kwargs)
+
+            torch.compile = compile
+            stack.callback(setattr, torch, "compile", original_compile)
+        yield state
+
+
+def _install(stack: contextlib.ExitStack, state: CompiledRegions) -> None:
+    """The region lookup and the compile patches, restored by `stack`."""
     import torch._dynamo.eval_frame as eval_frame
 
-    state = CompiledRegions(device_type, names)
     thread = threading.get_ident()
     _never_traced()
     original_lookup = eval_frame._callback_from_stance
@@ -408,13 +434,9 @@ def compiled_regions(device_type: str, names: dict[int, str] | None = None) -> I
             return None
         return chosen
 
-    with contextlib.ExitStack() as stack:
-        eval_frame._callback_from_stance = callback_from_stance
-        stack.callback(setattr, eval_frame, "_callback_from_stance", original_lookup)
-        _install_compile(stack, state)
-        previous, _ACTIVE = _ACTIVE, state
-        stack.callback(_restore_active, previous)
-        yield state
+    eval_frame._callback_from_stance = callback_from_stance
+    stack.callback(setattr, eval_frame, "_callback_from_stance", original_lookup)
+    _install_compile(stack, state)
 
 
 def _never_traced() -> None:
