@@ -1,4 +1,4 @@
-"""``torch.compile``'d regions in a capture (issue 33): seen, named, and on meta run as compiled.
+"""``torch.compile``'d regions in a capture (issue 33): seen, named, and run as compiled.
 
 Why this exists: dynamo skips every frame while a ``TorchDispatchMode`` whose
 ``ignore_compile_internals()`` is False is on the stack, so under the capture's mode a compiled
