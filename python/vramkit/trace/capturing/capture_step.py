@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from .autocast_meta import emulate_autocast
+from .compiled_regions import compiled_regions
 from .capture_hooks import deferred_init, fsdp_buffers, storage_resizes, stream_synchronizations
 from ..sharding.cpu_offload import offload_on_meta, tag_host
 from .cuda_choices import CudaChoices, install as install_choices
@@ -121,6 +122,14 @@ class _CaptureMode(TorchDispatchMode):
         return out
 
 
+class _CompilingCaptureMode(_CaptureMode):
+    # Dynamo compiles under this mode (off while it compiles, on while the compiled
+    # artifact runs) instead of skipping every frame; compiled_regions.py says how.
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
 def _plain(objs: list[Any]) -> list[Any]:
     """`objs` with each tensor subclass wrapper (a DTensor) replaced by its inner tensors: an op
     on DTensors runs its local ops inside the subclass's dispatch, where this mode is off, and
@@ -206,6 +215,10 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
     and the bytes this rank sends. `sharding` (a ``ShardingChange``) runs the script's DDP or
     FSDP2 calls with a different strategy (FSDP2 instead of DDP, reshard_after_forward, bf16).
     `progress` receives a line every 5 s of a long capture (ops so far, the module running).
+    ``torch.compile``d regions (modules, functions) are captured as compiled (on meta, inductor's
+    partition, fusion and buffer plan without running a kernel; issue 33) and listed in
+    ``trace.meta["compiled_regions"]``, each ``how`` "compiled" or "eager upper bound" (a compiled
+    optimizer step, an unmodelled backend), with ``why``.
     Raises ``CaptureError`` (with the step's exception as cause) if the step raises;
     nothing is returned then.
     """
@@ -241,12 +254,13 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
                 install_choices(cuda, dev.type), storage_resizes(rec), stream_synchronizations(rec), \
                 (deferred_init(rec) if dev.type == "meta" else contextlib.nullcontext()), \
                 (offload_on_meta(rec) if dev.type == "meta" and world_size is not None else contextlib.nullcontext()), \
-                (fsdp_buffers(rec) if world_size is not None else contextlib.nullcontext()):
+                (fsdp_buffers(rec) if world_size is not None else contextlib.nullcontext()), \
+                compiled_regions(dev.type, rec.names) as compiled:
             rec.collectives = group.log if group is not None else None
             if group is not None:  # DDP's buckets: the only tensors all-reduced on the group object
                 group.on_allreduce = functools.partial(_buckets, rec)
             tag_args(rec, (args, kwargs))
-            mode = _CaptureMode(rec)
+            mode = _CompilingCaptureMode(rec)
             mode.progress = progress
             values = mode.values
             with mode, (values.tolist() if values is not None else contextlib.nullcontext()), \
@@ -281,6 +295,8 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
                         region.__exit__(None, None, None)
         info.update(source=f"capture:{dev.type}", device=dev.type, steps=steps, form=form,
                     torch_version=torch.__version__)
+        if compiled.regions:  # never silent about a compiled region's prediction
+            info["compiled_regions"] = compiled.describe()
         if world_size is not None:
             info["strategy"] = strategy_of((m for ref in rec.roots if (r := ref()) is not None for m in r.modules()),
                                            [o for ref in rec.optimizers if (o := ref()) is not None])

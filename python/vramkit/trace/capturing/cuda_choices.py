@@ -49,6 +49,7 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..target.dispatch import CudaChoices
@@ -121,6 +122,12 @@ def make_attention(choices: CudaChoices | None) -> Any:
     def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
                   dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                   enable_gqa: bool = False) -> torch.Tensor:
+        if isinstance(query, FakeTensor):
+            # dynamo tracing a compiled region: torch's own composite, as compiling
+            # it on a GPU would record; the compiled graph makes its own choice (compiled_regions)
+            decomposed: torch.Tensor = torch.ops.aten.scaled_dot_product_attention.default.decompose(
+                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+            return decomposed
         mask = _bool_mask_to_float(attn_mask, query.dtype)
         if on_cuda:
             assert choices is not None

@@ -253,6 +253,8 @@ class _PythonData(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # a graph dynamo traces: its tensors have no values
+            return func(*args, **kwargs)
         if getattr(func, "__name__", "").startswith("_foreach_"):  # the optimizer on FSDP2's DTensors
             out = foreach_on_shards(func, args, kwargs)
             if out is not NOT_HANDLED:

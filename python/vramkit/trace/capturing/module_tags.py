@@ -52,7 +52,9 @@ def _label_graph(outputs: Any, path: str) -> None:
 
 def install_hooks(rec: Any) -> list[torch.utils.hooks.RemovableHandle]:
     def pre(module: nn.Module, args: Any) -> None:
-        if threading.get_ident() != rec.thread:
+        # (inside a graph dynamo traces, a hook would be compiled into it, or break it: the
+        # compiled region's allocations are the compiled module's; issue 33)
+        if torch.compiler.is_compiling() or threading.get_ident() != rec.thread:
             return  # the hooks are process-wide; another thread's models are not this capture's
         if not rec.module_stack:
             if id(module) not in rec.names:
@@ -70,7 +72,7 @@ def install_hooks(rec: Any) -> list[torch.utils.hooks.RemovableHandle]:
         rec.module_stack.append(path)
 
     def post(module: nn.Module, args: Any, output: Any) -> None:
-        if threading.get_ident() != rec.thread:
+        if torch.compiler.is_compiling() or threading.get_ident() != rec.thread:
             return
         if rec.module_stack:
             path = rec.module_stack.pop()
@@ -81,7 +83,7 @@ def install_hooks(rec: Any) -> list[torch.utils.hooks.RemovableHandle]:
             region.__exit__(None, None, None)
 
     def opt_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
-        if threading.get_ident() != rec.thread:
+        if torch.compiler.is_compiling() or threading.get_ident() != rec.thread:
             return
         if not any(r() is optimizer for r in rec.optimizers):
             rec.optimizers.append(weakref.ref(optimizer))
@@ -89,7 +91,7 @@ def install_hooks(rec: Any) -> list[torch.utils.hooks.RemovableHandle]:
         rec.in_optimizer += 1
 
     def opt_post(optimizer: Any, args: Any, kwargs: Any) -> None:
-        if threading.get_ident() != rec.thread:
+        if torch.compiler.is_compiling() or threading.get_ident() != rec.thread:
             return
         rec.in_optimizer = max(0, rec.in_optimizer - 1)
         _tag_optimizer_state(rec, optimizer)
