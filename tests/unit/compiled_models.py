@@ -187,7 +187,12 @@ def real_peak(build: Callable[[int], Callable[[], None]], batch: int) -> int:
     netted figure: a CPU kernel's scratch, which the capture's op-level record never sees)."""
     from peaks import profiler_peaks
 
+    import gc
+
     torch._dynamo.reset()  # a fresh compile per model: no recompile limit reached across models
+    # Earlier runs' garbage collected first: a cycle holding real tensors, freed by a collection
+    # during this run, would count as a negative allocation and lower its peak.
+    gc.collect()
     step = build(batch)
     return profiler_peaks(step, steps=2)[1]
 

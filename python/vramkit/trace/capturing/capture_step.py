@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import threading
 import time
 from typing import Any, Callable
@@ -247,6 +248,12 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
     rec.autocast, rec.autocast_device = autocast, ("cuda" if dev.type == "meta" else "cpu")
     hooks = install_hooks(rec)
     info = dict(meta or {})
+    # No cyclic garbage collection during the capture: a tensor held by a reference cycle (a
+    # Hugging Face GPT-2's logits) lives until the collector runs, which a real step triggers
+    # at its own moments and a capture, making many more Python objects, far more often; with
+    # the collector off, such tensors count as long as a step can hold them (the safe side).
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         emulation = emulate_autocast() if dev.type == "meta" else contextlib.nullcontext()
         sharded = one_rank(world_size, rank, dev) if world_size is not None else contextlib.nullcontext(None)
@@ -323,6 +330,8 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
             h.remove()
         restore_blocks(rec)
         rec.close()
+        if collecting:
+            gc.enable()
         _ACTIVE.release()
 
 

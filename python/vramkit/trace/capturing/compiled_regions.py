@@ -461,6 +461,26 @@ def _restore_active(previous: CompiledRegions | None) -> None:
     _ACTIVE = previous
 
 
+def _private_wrapper_modules(stack: contextlib.ExitStack) -> None:
+    """Every Python module inductor loads during the capture is a fresh one, neither taken from
+    nor left in its cache of modules by source file (``PyCodeCache.modules_no_attr``) or in
+    ``sys.modules``. The capture rebinds a wrapper's globals (buffers on meta, kernels no-ops),
+    and a capture's compile can generate the very source a real compile of the same graph did:
+    sharing the module would make the user's real compiled model allocate on meta and run no
+    kernels, silently, from then on (or a later real compile load the capture's module)."""
+    from torch._inductor.codecache import PyCodeCache
+
+    original = PyCodeCache.load_by_key_path.__func__  # type: ignore[attr-defined]
+
+    def load_by_key_path(cls: Any, key: str, path: str, linemap: Any = None, attrs: Any = None, *,
+                         set_sys_modules: bool | None = None) -> Any:
+        # (torch caches only when attrs is None: an empty dict loads afresh and caches nothing)
+        return original(cls, key, path, linemap, {} if attrs is None else attrs, set_sys_modules=False)
+
+    PyCodeCache.load_by_key_path = classmethod(load_by_key_path)  # type: ignore[method-assign,assignment]
+    stack.callback(setattr, PyCodeCache, "load_by_key_path", classmethod(original))
+
+
 def _install_compile(stack: contextlib.ExitStack, state: CompiledRegions) -> None:
     import torch._dynamo.config as dynamo_config
     import torch._functorch.config as functorch_config
@@ -510,6 +530,7 @@ def _install_compile(stack: contextlib.ExitStack, state: CompiledRegions) -> Non
 
     compile_fx_module.compile_fx = compile_fx  # type: ignore[assignment]  # (its signature, widened)
     stack.callback(setattr, compile_fx_module, "compile_fx", original_compile)
+    _private_wrapper_modules(stack)
     if state.device_type == "meta":
         _composite_meta_kernels(stack)
         # Kernels are never compiled (no C++ compiler run) nor run: on meta they have nothing to do.
