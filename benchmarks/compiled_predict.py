@@ -26,8 +26,9 @@ from _common import REPO, use_source_tree
 use_source_tree()
 sys.path.insert(0, os.path.join(REPO, "tests", "unit"))
 
-ROWS = [("mlp", 64), ("cnn", 8), ("gpt-small", 4), ("gpt-d256-s256", 4), ("gpt-d256-s256", 8),
-        ("gpt-lm-loss", 4), ("gpt-lm-loss", 8), ("hf-qwen2", 4), ("hf-gpt2", 4)]
+ROWS = [("mlp", 64), ("cnn", 8), ("cnn", 16), ("gpt-small", 4), ("gpt-d256-s256", 4), ("gpt-d256-s256", 8),
+        ("gpt-lm-loss", 4), ("gpt-lm-loss", 8), ("hf-qwen2", 4), ("hf-llama-gqa", 4), ("hf-llama-gqa", 8),
+        ("hf-vit", 8), ("hf-vit", 16), ("hf-gpt2", 4)]
 QUICK = [("mlp", 64), ("gpt-lm-loss", 4)]
 
 

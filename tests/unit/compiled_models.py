@@ -96,13 +96,15 @@ class MLP(nn.Module):
         return self.head(x)
 
 
-def mlp_step(backend: Backend, d: int = 512, dynamic: bool | None = None) -> Callable[[int], Callable[[], None]]:
+def _classifier_step(make: Callable[[], nn.Module], sample: tuple[int, ...], backend: Backend,
+                     dynamic: bool | None = None) -> Callable[[int], Callable[[], None]]:
+    """A 10-class classifier trained with SGD and momentum on random inputs of shape `sample`."""
     def build(batch: int) -> Callable[[], None]:
         torch.manual_seed(0)
-        model = MLP(d)
+        model = make()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         forward = _compiled(model, backend, dynamic)
-        x = torch.randn(batch, d)
+        x = torch.randn(batch, *sample)
         y = torch.randint(0, 10, (batch,))
 
         def step() -> None:
@@ -113,25 +115,14 @@ def mlp_step(backend: Backend, d: int = 512, dynamic: bool | None = None) -> Cal
         return step
 
     return build
+
+
+def mlp_step(backend: Backend, d: int = 512, dynamic: bool | None = None) -> Callable[[int], Callable[[], None]]:
+    return _classifier_step(lambda: MLP(d), (d,), backend, dynamic)
 
 
 def cnn_step(backend: Backend, size: int = 32) -> Callable[[int], Callable[[], None]]:
-    def build(batch: int) -> Callable[[], None]:
-        torch.manual_seed(0)
-        model = ResNet()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        forward = _compiled(model, backend)
-        x = torch.randn(batch, 3, size, size)
-        y = torch.randint(0, 10, (batch,))
-
-        def step() -> None:
-            F.cross_entropy(forward(x), y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        return step
-
-    return build
+    return _classifier_step(ResNet, (3, size, size), backend)
 
 
 def hf_lm_step(family: str, backend: Backend, seq: int = 256, hidden: int = 256,
@@ -146,6 +137,10 @@ def hf_lm_step(family: str, backend: Backend, seq: int = 256, hidden: int = 256,
             cfg: Any = T.Qwen2Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab)
             model: nn.Module = T.Qwen2ForCausalLM(cfg)
+        elif family == "llama":  # grouped-query attention: 8 query heads share 2 key/value heads
+            cfg = T.LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                                num_attention_heads=8, num_key_value_heads=2, vocab_size=vocab)
+            model = T.LlamaForCausalLM(cfg)
         else:
             cfg = T.GPT2Config(n_embd=hidden, n_layer=2, n_head=4, vocab_size=vocab, n_positions=seq,
                                bos_token_id=0, eos_token_id=0)
@@ -165,6 +160,31 @@ def hf_lm_step(family: str, backend: Backend, seq: int = 256, hidden: int = 256,
     return build
 
 
+def hf_vit_step(backend: Backend, image: int = 64, hidden: int = 128) -> Callable[[int], Callable[[], None]]:
+    """A Hugging Face ViT image classifier (from a config) with its loss in its forward."""
+    import transformers as T
+
+    def build(batch: int) -> Callable[[], None]:
+        torch.manual_seed(0)
+        cfg = T.ViTConfig(image_size=image, patch_size=8, hidden_size=hidden, num_hidden_layers=2,
+                          num_attention_heads=4, intermediate_size=2 * hidden, num_labels=10)
+        model = T.ViTForImageClassification(cfg)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters())
+        forward = _compiled(model, backend)
+        x = torch.randn(batch, 3, image, image)
+        y = torch.randint(0, 10, (batch,))
+
+        def step() -> None:
+            forward(pixel_values=x, labels=y).loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+        return step
+
+    return build
+
+
 GPT_SMALL = GPTConfig(vocab=512, seq=64, dim=64, heads=4, layers=2)
 GPT_MEASURED = GPTConfig(vocab=1024, seq=256, dim=256, heads=4, layers=2)
 GPT_LM = GPTConfig(vocab=8192, seq=256, dim=256, heads=4, layers=2)  # the loss's logits dominate
@@ -176,6 +196,8 @@ MODELS: dict[str, Callable[[Backend], Callable[[int], Callable[[], None]]]] = {
     "gpt-lm-loss-opt": lambda b: gpt_loss_step(GPT_LM, b, compile_optimizer=True),
     "hf-qwen2": lambda b: hf_lm_step("qwen2", b),
     "hf-gpt2": lambda b: hf_lm_step("gpt2", b),
+    "hf-llama-gqa": lambda b: hf_lm_step("llama", b),
+    "hf-vit": hf_vit_step,
     "mlp": mlp_step,
     "cnn": cnn_step,
 }

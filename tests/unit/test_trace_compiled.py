@@ -118,3 +118,21 @@ def test_cpu_and_meta_captures_of_a_compiled_step_are_identical():
 def test_an_eager_step_has_no_compiled_regions():
     trace = vt.capture(mlp_step(None, d=64), 8, device="meta", steps=1)
     assert "compiled_regions" not in trace.meta
+
+
+def test_reduce_overhead_is_named_a_lower_bound():
+    # mode="reduce-overhead" asks for CUDA graphs, whose private pool the capture does not model.
+    def build(batch):
+        model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        forward = torch.compile(model, mode="reduce-overhead")
+        x = torch.randn(batch, 32)
+
+        def step():
+            forward(x).sum().backward()
+
+        return step
+
+    trace = vt.capture(build, 4, device="meta", steps=1, cuda=False)
+    [region] = trace.meta["compiled_regions"]
+    assert region["how"] == "compiled without CUDA graphs (lower bound)" and "reduce-overhead" in region["why"]
+    assert vt.replay(trace, "1GiB").lower_bound_regions == [region["name"]]

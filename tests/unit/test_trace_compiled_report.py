@@ -54,3 +54,17 @@ def test_fit_says_its_largest_batch_is_a_lower_bound():
     plain = FitReport(gpu=p.gpu, target_batch_size=None, max_batch_size=8,
                       probes=[Probe(8, vt.replay(trace_with([]), "1GiB"), 0.0)], searched_up_to=64)
     assert "at least" not in plain.table()
+
+
+def test_a_region_without_its_cuda_graphs_is_a_lower_bound():
+    from vramkit.trace.capturing.compiled_regions import NO_CUDA_GRAPHS
+    from vramkit.trace.fitting.fit_search import FitReport
+    from vramkit.trace.fitting.probes import Probe
+
+    regions = [{"name": "model (GPT)", "how": NO_CUDA_GRAPHS, "why": "mode='reduce-overhead'", "backend": "inductor"}]
+    p = vt.replay(trace_with(regions), "1GiB")
+    assert p.lower_bound_regions == ["model (GPT)"] and p.eager_bound_regions == []
+    assert p.verdict().endswith("; a lower bound: the CUDA graphs of compiled model (GPT) left out")
+    assert "predicted without its CUDA graphs: a lower bound" in p.table()
+    report = FitReport(gpu=p.gpu, target_batch_size=None, max_batch_size=8, probes=[Probe(8, p, 0.0)], searched_up_to=64)
+    assert "(at most: the CUDA graphs of compiled model (GPT) left out)" in report.table()

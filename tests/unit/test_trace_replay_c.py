@@ -225,9 +225,9 @@ def first_argmax(a: np.ndarray) -> int:
 
 # ---- (a) against the models --------------------------------------------------------------
 
-@pytest.mark.parametrize("streams", [1, 2])
-def test_matches_the_policy_model_event_by_event(streams):
-    kind, ids, size, stream = random_trace(4000, seed=7 + streams, streams=streams)
+def replay_equals_model(kind, ids, size, stream):
+    """The C replay's per-event reserved, allocated and address columns equal the policy
+    model's; returns the replay's result and the model's reserved and allocated columns."""
     reserved, allocated, addr = outs(len(kind))
     r = _C.trace_replay(kind, ids, size, stream, 1 << 50, None, reserved, allocated, addr)
     want_reserved, want_allocated, want_addr = run_model(kind, ids, size, stream)
@@ -235,6 +235,13 @@ def test_matches_the_policy_model_event_by_event(streams):
     np.testing.assert_array_equal(reserved, want_reserved)
     np.testing.assert_array_equal(allocated, want_allocated)
     np.testing.assert_array_equal(addr, want_addr)
+    return r, want_reserved, want_allocated
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_matches_the_policy_model_event_by_event(streams):
+    kind, ids, size, stream = random_trace(4000, seed=7 + streams, streams=streams)
+    r, want_reserved, want_allocated = replay_equals_model(kind, ids, size, stream)
     assert r["peak_reserved"] == want_reserved.max() and r["peak_reserved_event"] == first_argmax(want_reserved)
     assert r["peak_allocated"] == want_allocated.max() and r["peak_allocated_event"] == first_argmax(want_allocated)
     assert r["reserved_at_peak_allocated"] == want_reserved[r["peak_allocated_event"]]
@@ -248,13 +255,7 @@ def test_stream_uses_and_synchronizes_match_the_policy_model():
     returns to its own stream's pool only when all of them are synchronized."""
     kind, ids, size, stream = random_trace_with_uses(4000, seed=21)
     assert (kind == USE).sum() > 100 and (kind == SYNC).sum() > 50
-    reserved, allocated, addr = outs(len(kind))
-    r = _C.trace_replay(kind, ids, size, stream, 1 << 50, None, reserved, allocated, addr)
-    want_reserved, want_allocated, want_addr = run_model(kind, ids, size, stream)
-    assert r["oom_event"] == -1 and r["events"] == len(kind)
-    np.testing.assert_array_equal(reserved, want_reserved)
-    np.testing.assert_array_equal(allocated, want_allocated)
-    np.testing.assert_array_equal(addr, want_addr)
+    r, _, _ = replay_equals_model(kind, ids, size, stream)
     # The uses matter: without them the same trace reserves less.
     plain = kind != USE
     r2 = _C.trace_replay(kind[plain], ids[plain], size[plain], stream[plain], 1 << 50, None)

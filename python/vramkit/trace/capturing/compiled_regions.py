@@ -57,9 +57,12 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["CompiledRegions", "EAGER_BOUND", "COMPILED", "compiled_regions"]
+__all__ = ["CompiledRegions", "EAGER_BOUND", "COMPILED", "NO_CUDA_GRAPHS", "compiled_regions"]
 
-COMPILED, EAGER_BOUND = "compiled", "eager upper bound"
+# How a region was predicted. NO_CUDA_GRAPHS: compiled, but its CUDA graphs (mode=
+# "reduce-overhead") left out: their private memory pool, whose blocks no other allocation can
+# use, and their static inputs and outputs are not modelled, so the figure is a lower bound.
+COMPILED, EAGER_BOUND, NO_CUDA_GRAPHS = "compiled", "eager upper bound", "compiled without CUDA graphs (lower bound)"
 _META, _CPU = torch.device("meta"), torch.device("cpu")
 _MODELLED = ("inductor", "aot_eager", "eager")
 
@@ -128,6 +131,13 @@ class CompiledRegions:
                 return f"{path} ({what})" if path else what
             return f"{what}.{method}" if method else what
         return str(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__)
+
+    def without_cuda_graphs(self, region: Region) -> None:
+        """`region` asked for CUDA graphs, which the capture leaves out: a lower bound."""
+        if region.how == COMPILED:
+            region.how = NO_CUDA_GRAPHS
+            region.why += ("; its CUDA graphs (mode='reduce-overhead') are left out: their private memory pool "
+                           "and static buffers are not modelled, so its figure is a lower bound")
 
     def eager(self, region: Region | None, why: str) -> None:
         """`region` ran (at least partly) eagerly: its figure is an eager upper bound."""
@@ -499,7 +509,10 @@ def _install_compile(stack: contextlib.ExitStack, state: CompiledRegions) -> Non
         if region is None:  # (a compile outside any region entry we saw: name it by its graph)
             region = state.enter(model, "inductor")
         # Autotuning would time kernels, which here do nothing; CUDA graphs do not exist on meta.
-        patches = {**(kwargs.pop("config_patches", None) or {}), "max_autotune": False,
+        asked = kwargs.pop("config_patches", None) or {}
+        if asked.get("triton.cudagraphs", inductor_config.triton.cudagraphs):
+            state.without_cuda_graphs(region)
+        patches = {**asked, "max_autotune": False,
                    "max_autotune_gemm": False, "coordinate_descent_tuning": False, "freezing": False,
                    "triton.cudagraphs": False}
         if state.device_type == "cpu":  # a real compile; its failure is the step's, as without a capture

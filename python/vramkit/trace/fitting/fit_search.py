@@ -63,14 +63,22 @@ class FitReport(TextAsHtml):
         """The GPU's memory (``Target.capacity``)."""
         return self.gpu.capacity
 
+    def _regions(self, which: str) -> list[str]:
+        names: dict[str, None] = {}
+        for pr in [p.prediction for p in self.probes] + ([self.target] if self.target is not None else []):
+            names.update(dict.fromkeys(getattr(pr, which)))
+        return list(names)
+
     @property
     def eager_bound_regions(self) -> list[str]:
         """Compiled regions that some probe predicted as eager: there the answers are bounds
         (a batch that fits fits; the largest may be larger)."""
-        names: dict[str, None] = {}
-        for pr in [p.prediction for p in self.probes] + ([self.target] if self.target is not None else []):
-            names.update(dict.fromkeys(pr.eager_bound_regions))
-        return list(names)
+        return self._regions("eager_bound_regions")
+
+    @property
+    def lower_bound_regions(self) -> list[str]:
+        """Compiled regions predicted without their CUDA graphs: the largest batch may be smaller."""
+        return self._regions("lower_bound_regions")
 
     def trace(self, batch_size: int) -> Trace:
         """The trace this fit replayed at `batch_size` (the step as written: no checkpointing or
@@ -91,6 +99,9 @@ class FitReport(TextAsHtml):
                 bound = self.eager_bound_regions
                 low = (f" (at least: compiled {', '.join(bound[:3])}{' ...' if len(bound) > 3 else ''} predicted "
                        "as eager, which holds more)") if bound else ""
+                fewer = self.lower_bound_regions
+                low += (f" (at most: the CUDA graphs of compiled {', '.join(fewer[:3])}"
+                        f"{' ...' if len(fewer) > 3 else ''} left out)") if fewer else ""
                 lines.append(f"largest batch size that fits: {self.max_batch_size}{cap}{low}")
             else:
                 lines.append("no batch size fits: even batch size 1 runs out of memory")

@@ -72,7 +72,13 @@ class Prediction(TextAsHtml):
     @property
     def eager_bound_regions(self) -> list[str]:
         """The compiled regions predicted as eager: the figures are upper bounds for them."""
-        return [r["name"] for r in self.compiled_regions if r.get("how") != "compiled"]
+        return [r["name"] for r in self.compiled_regions if r.get("how") == "eager upper bound"]
+
+    @property
+    def lower_bound_regions(self) -> list[str]:
+        """The compiled regions predicted without what they hold beyond the compiled graphs (their
+        CUDA graphs' pools): the figures are lower bounds for them."""
+        return [r["name"] for r in self.compiled_regions if r.get("how") not in ("compiled", "eager upper bound")]
 
     @property
     def capacity(self) -> int:
@@ -105,9 +111,11 @@ class Prediction(TextAsHtml):
         return self.usable - self.peak_reserved if self.fits else -1
 
     def verdict(self) -> str:
-        bound = self.eager_bound_regions
+        bound, low = self.eager_bound_regions, self.lower_bound_regions
         upper = (f"; an upper bound: compiled {', '.join(bound[:3])}{' ...' if len(bound) > 3 else ''} predicted as "
                  "eager") if bound else ""
+        upper += (f"; a lower bound: the CUDA graphs of compiled {', '.join(low[:3])}{' ...' if len(low) > 3 else ''} "
+                  "left out") if low else ""
         if self.fits:
             return (f"fits: peak reserved {format_size(self.peak_reserved)} of {format_size(self.capacity)} "
                     f"(peak allocated {format_size(self.peak_allocated)}){upper}")
@@ -137,7 +145,8 @@ class Prediction(TextAsHtml):
         if self.streams:
             rows.append(("side streams", ", ".join(self.streams.values()) + " (own free blocks)"))
         for region in self.compiled_regions:
-            how = "as compiled" if region.get("how") == "compiled" else "as EAGER: an upper bound"
+            how = {"compiled": "as compiled", "eager upper bound": "as EAGER: an upper bound"}.get(
+                region.get("how", ""), "without its CUDA graphs: a lower bound")
             rows.append((f"compiled {region.get('name', '?')}", f"predicted {how} ({region.get('why', '')})"))
         w = self.where_peak
         if w:
