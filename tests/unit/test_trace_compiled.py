@@ -136,3 +136,14 @@ def test_reduce_overhead_is_named_a_lower_bound():
     [region] = trace.meta["compiled_regions"]
     assert region["how"] == "compiled without CUDA graphs (lower bound)" and "reduce-overhead" in region["why"]
     assert vt.replay(trace, "1GiB").lower_bound_regions == [region["name"]]
+
+
+@pytest.mark.parametrize("model, batch", [("hf-vit", 8), ("hf-llama-gqa", 4)])
+def test_vit_and_grouped_query_llama_are_predicted_as_compiled(model, batch):
+    pytest.importorskip("transformers")
+    from compiled_models import MODELS
+
+    real = real_peak(MODELS[model]("inductor"), batch)
+    predicted, regions = predicted_peak(MODELS[model]("inductor"), batch)
+    assert abs(predicted / real - 1) < TOLERANCE, (predicted, real)
+    assert [(r["how"], r["fused"]) for r in regions] == [("compiled", True)]
