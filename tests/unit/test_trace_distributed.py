@@ -95,13 +95,17 @@ def test_each_rank_against_a_real_gloo_run(real_runs):
             # all three runs held both for a moment, one bucket set (the gradients' bytes) above
             # the prediction: either that or nothing.
             held = _bucket_set(t) if strategy == "ddp" and real["no_backend_netted"] - p > _bucket_set(t) / 2 else 0
-            # An NCCL run's figure (gloo's copies left out), the CPU kernels' scratch left out: 1 %.
+            # An NCCL run's figure (gloo's copies left out), the CPU kernels' scratch left out: 1 %;
+            # 2 % for FSDP2, whose released buffers a gloo work can hold a moment longer, until its
+            # worker thread drops it: in a loaded machine (CI, 4 ranks on 2 cores) all three runs
+            # of a configuration held about 100 KiB (1.6 %) that way once.
+            slack = 0.02 if strategy.startswith("fsdp2") else 0.01
             nccl = real["no_backend_netted"]
-            assert abs(p + held - nccl) <= 0.01 * nccl, row
+            assert abs(p + held - nccl) <= slack * nccl, row
             # With the scratch: below, by no more than the scratch (6 % at most here: the CNN's
             # bf16 convolutions on 4 ranks; 0-2 % elsewhere).
             short = real["no_backend"] - (p + held)
-            assert -0.01 * real["no_backend"] <= short <= real["scratch"] + 0.01 * real["no_backend"], row
+            assert -slack * real["no_backend"] <= short <= real["scratch"] + slack * real["no_backend"], row
             if strategy in ("ddp", "zero"):  # gloo copies nothing here
                 assert real["backend"] == 0, row
     # ZeroRedundancyOptimizer gives whole parameters to ranks: their optimizer states differ,
