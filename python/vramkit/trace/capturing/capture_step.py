@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from .autocast_meta import emulate_autocast
 from .compiled_regions import compiled_regions
+from .inductor_on_meta import install_compile
 from .capture_hooks import deferred_init, fsdp_buffers, storage_resizes, stream_synchronizations
 from ..sharding.cpu_offload import offload_on_meta, tag_host
 from .cuda_choices import CudaChoices, install as install_choices
@@ -262,7 +263,7 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
                 (deferred_init(rec) if dev.type == "meta" else contextlib.nullcontext()), \
                 (offload_on_meta(rec) if dev.type == "meta" and world_size is not None else contextlib.nullcontext()), \
                 (fsdp_buffers(rec) if world_size is not None else contextlib.nullcontext()), \
-                compiled_regions(dev.type, rec.names) as compiled:
+                compiled_regions(dev.type, rec.names, install_compile) as compiled:
             rec.collectives = group.log if group is not None else None
             if group is not None:  # DDP's buckets: the only tensors all-reduced on the group object
                 group.on_allreduce = functools.partial(_buckets, rec)
