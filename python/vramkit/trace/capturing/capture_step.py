@@ -49,6 +49,8 @@ from ..sharding.sharding_changes import ShardingChange, sharding_changed, strate
 
 __all__ = ["CaptureError", "capture"]
 
+# Tensor.record_stream's op, looked up once: the check runs for every op a capture sees.
+_RECORD_STREAM = torch.ops.aten.record_stream.default
 PROGRESS_SECONDS = 5.0  # between the progress lines of a long capture
 OPS_BETWEEN_CLOCK_READS = 1024  # (a capture runs tens of thousands of ops a second)
 # One capture at a time: the hooks and the dispatch mode are process-wide.
@@ -94,7 +96,7 @@ class _CaptureMode(TorchDispatchMode):
             self._still_running()
         if rec.collectives is not None and func.namespace in COLLECTIVE_NAMESPACES:
             note_collective(func, args, kwargs, rec.collectives)
-        if func is torch.ops.aten.record_stream.default:
+        if func is _RECORD_STREAM:
             # The allocator's business, not the kernel's (meta has none): the storage's block
             # waits at its free for this stream.
             st = storage_of(args[0])

@@ -22,7 +22,7 @@ from ..._core.sizes import format_size
 from ..._core.text_html import TextAsHtml
 from ..capturing.capture_step import capture
 from ..formats.file_format import Trace
-from ..replaying.replay_sim import ON_DEVICE, Prediction, peak_live_bytes, replay
+from ..replaying.replay_sim import ON_DEVICE, Prediction, peak_live_bytes, region_list, replay
 from ..sharding.fake_dist import check_rank
 from ..sharding.sharding_changes import communication_sent, host_bytes, sharding_techniques
 from ..target.gpu_profiles import AllocConf, GpuOverheads, GpuSpec, Target, resolve_target
@@ -97,11 +97,9 @@ class FitReport(TextAsHtml):
             if self.max_batch_size:
                 cap = " (the search's cap)" if self.max_batch_size >= self.searched_up_to else ""
                 bound = self.eager_bound_regions
-                low = (f" (at least: compiled {', '.join(bound[:3])}{' ...' if len(bound) > 3 else ''} predicted "
-                       "as eager, which holds more)") if bound else ""
+                low = f" (at least: compiled {region_list(bound)} predicted as eager, which holds more)" if bound else ""
                 fewer = self.lower_bound_regions
-                low += (f" (at most: the CUDA graphs of compiled {', '.join(fewer[:3])}"
-                        f"{' ...' if len(fewer) > 3 else ''} left out)") if fewer else ""
+                low += f" (at most: the CUDA graphs of compiled {region_list(fewer)} left out)" if fewer else ""
                 lines.append(f"largest batch size that fits: {self.max_batch_size}{cap}{low}")
             else:
                 lines.append("no batch size fits: even batch size 1 runs out of memory")

@@ -34,7 +34,7 @@ from ..formats.file_format import ALLOC, CATEGORIES, FREE, PHASES, STEP, SYNC, U
 from ..._core.sizes import format_size
 from ..target.gpu_profiles import AllocConf, GpuOverheads, GpuSpec, Target, resolve_target
 
-__all__ = ["ON_DEVICE", "Prediction", "peak_live_bytes", "replay"]
+__all__ = ["ON_DEVICE", "Prediction", "peak_live_bytes", "region_list", "replay"]
 
 # The categories a replay puts on the GPU: not "deferred" (meta storages made before
 # Module.to_empty, which a real run never allocates) nor "host" (CPU memory).
@@ -112,10 +112,8 @@ class Prediction(TextAsHtml):
 
     def verdict(self) -> str:
         bound, low = self.eager_bound_regions, self.lower_bound_regions
-        upper = (f"; an upper bound: compiled {', '.join(bound[:3])}{' ...' if len(bound) > 3 else ''} predicted as "
-                 "eager") if bound else ""
-        upper += (f"; a lower bound: the CUDA graphs of compiled {', '.join(low[:3])}{' ...' if len(low) > 3 else ''} "
-                  "left out") if low else ""
+        upper = f"; an upper bound: compiled {region_list(bound)} predicted as eager" if bound else ""
+        upper += f"; a lower bound: the CUDA graphs of compiled {region_list(low)} left out" if low else ""
         if self.fits:
             return (f"fits: peak reserved {format_size(self.peak_reserved)} of {format_size(self.capacity)} "
                     f"(peak allocated {format_size(self.peak_allocated)}){upper}")
@@ -338,6 +336,11 @@ def _stream_names(trace: Trace) -> dict[str, str]:
     if not isinstance(names, dict):
         return {}
     return {str(k): str(v)[:80] for k, v in list(names.items())[:64]}
+
+
+def region_list(names: Sequence[str]) -> str:
+    """Compiled regions' names for a line of text: the first three, then "..."."""
+    return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
 
 
 def _compiled_regions(trace: Trace) -> list[dict[str, Any]]:
