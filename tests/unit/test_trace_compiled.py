@@ -6,15 +6,12 @@ against another vramkit capture); and a region that cannot be predicted as compi
 
 from __future__ import annotations
 
-import os
-import sys
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compiled_models import WithLoss, gpt_loss_step, hf_lm_step, mlp_step, predicted_peak, real_peak  # noqa: E402
 from trace_models import GPT, GPTConfig  # noqa: E402
 

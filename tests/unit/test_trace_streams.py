@@ -20,7 +20,6 @@ dist = pytest.importorskip("torch.distributed")
 
 import vramkit.trace as vt  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
 import sharded_models as sm  # noqa: E402
 
 MiB = 1 << 20

@@ -156,10 +156,11 @@ class Recorder:
         with self.lock:
             self.events.append((USE, i, number))
 
-    def synchronized(self, stream: Any = None) -> None:
-        """A stream (None: every stream) was synchronized: its uses' waits are over (a SYNC event)."""
+    def synchronized(self) -> None:
+        """The device was synchronized: every use's wait is over (a SYNC event of every stream;
+        meta and CPU streams, ``torch.cpu``'s, have no synchronize of their own)."""
         with self.lock:
-            self.events.append((SYNC, -1 if stream is None else 0, 0 if stream is None else self.stream_number(stream)))
+            self.events.append((SYNC, -1, 0))
 
     # ---------------------------------------------------------------- storages
 
