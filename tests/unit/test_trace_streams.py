@@ -9,6 +9,7 @@ stream returns to its pool once that stream is synchronized), not read from vram
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -85,6 +86,55 @@ def test_without_record_stream_the_block_is_reused_at_once():
     plain = vt.Trace.from_columns(kind=t.kind[keep], id=t.id[keep], size=t.size[keep], stream=t.stream[keep],
                                   alloc_category=t.alloc_category)
     assert vt.replay(plain, "1GiB", overheads=vt.NO_OVERHEADS).peak_reserved == 2 * BLOCK
+
+
+def side_stream_builder(api):
+    """A step overlapping work on a side stream as a training script writes it, with `api`'s
+    streams (torch.cuda, or torch.cpu as FSDP2 uses on meta): w made on the side stream and used
+    on the default one, y made on the default stream and used on the side one, both freed, then
+    z; the device synchronized at the end."""
+    def build():
+        x = torch.ones(ELEMENTS)
+        side = api.Stream()
+
+        def step():
+            side.wait_stream(api.current_stream())
+            with api.stream(side):
+                w = x * 4
+            api.current_stream().wait_stream(side)
+            w.record_stream(api.current_stream())
+            y = x * 2
+            y.record_stream(side)
+            del y, w
+            z = x * 3
+            del z
+            api.synchronize()
+
+        return step
+
+    return build
+
+
+def test_a_steps_own_cuda_streams_are_captured_on_meta():
+    originals = (torch.cuda.Stream, torch.cuda.stream, torch.Tensor.record_stream, torch.cuda.synchronize)
+    with pytest.raises(RuntimeError) if not torch.cuda.is_available() else contextlib.nullcontext():
+        side_stream_builder(torch.cuda)()  # outside a capture, on a machine without CUDA
+    t = vt.capture(side_stream_builder(torch.cuda), device="meta", steps=2)
+    assert (torch.cuda.Stream, torch.cuda.stream, torch.Tensor.record_stream, torch.cuda.synchronize) == originals
+    assert t.meta["streams"] == {"1": "torch.cuda.Stream"}
+    uses, syncs = np.flatnonzero(t.kind == vt.USE), np.flatnonzero(t.kind == vt.SYNC)
+    assert len(uses) == 4 and sorted(t.stream[uses].tolist()) == [0, 0, 1, 1] and len(syncs) == 2
+    # w on the side stream; x, y and z on the default one
+    assert sorted(int(t.stream[t.alloc_index[i]]) for i in range(len(t.alloc_size))) == [0] * 5 + [1] * 2
+    # c10's rules by hand: x; w in the side stream's own pool; y; z cannot take y's block (it
+    # waits for the side stream) and w's is in the other pool: four segments. Step 2 reuses them
+    # (the device synchronized). At most x, w and y live at once.
+    p = vt.replay(t, "1GiB", overheads=vt.NO_OVERHEADS)
+    assert p.peak_reserved == 4 * BLOCK and p.peak_allocated == 3 * BLOCK
+    # the same step written with torch.cpu's streams (FSDP2's on meta) captures the same
+    same = vt.capture(side_stream_builder(torch.cpu), device="meta", steps=2)
+    for column in ("kind", "id", "size", "stream"):
+        assert (getattr(same, column) == getattr(t, column)).all(), column
 
 
 def test_use_and_sync_events_survive_a_file(tmp_path):

@@ -39,6 +39,7 @@ from .inductor_on_meta import install_compile
 from .capture_hooks import deferred_init, fsdp_buffers, storage_resizes, stream_synchronizations
 from ..sharding.cpu_offload import offload_on_meta, tag_host
 from .cuda_choices import CudaChoices, install as install_choices
+from .cuda_streams import cuda_streams_on_meta
 from ..sharding.fake_dist import COLLECTIVE_NAMESPACES, check_rank, collectives_by_step, note_collective, one_rank, \
     store_wait_hint
 from .meta_values import MetaValues, tensors_in
@@ -263,6 +264,7 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
         with sharded as group, sharding_changed(sharding), torch.device(dev), emulation, \
                 install_choices(cuda, dev.type), storage_resizes(rec), stream_synchronizations(rec), \
                 (deferred_init(rec) if dev.type == "meta" else contextlib.nullcontext()), \
+                (cuda_streams_on_meta(rec) if dev.type == "meta" else contextlib.nullcontext()), \
                 (offload_on_meta(rec) if dev.type == "meta" and world_size is not None else contextlib.nullcontext()), \
                 (fsdp_buffers(rec) if world_size is not None else contextlib.nullcontext()), \
                 compiled_regions(dev.type, rec.names, install_compile) as compiled:

@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import sys
 import threading
+import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -56,12 +57,15 @@ class Region:
     graphs: int = 0  # graphs compiled for it during this capture
     runs: int = 0  # runs of its compiled graphs during this capture
     fused: bool | None = None  # inductor: its graphs lowered with fusion (None: not inductor)
+    symbolic: bool = False  # some graph it ran had symbolic sizes (dynamic shapes: batch_sizes_vary)
 
     def describe(self) -> dict[str, Any]:
         out = {"name": self.name, "how": self.how, "why": self.why, "backend": self.backend,
                "graphs": self.graphs, "runs": self.runs}
         if self.fused is not None:
             out["fused"] = self.fused
+        if self.symbolic:
+            out["symbolic_sizes"] = True
         return out
 
 
@@ -150,12 +154,17 @@ def backend_name(callback: Any) -> str:
     return type(callback).__name__
 
 
-def counted(fn: Callable[..., Any], region: Region) -> Callable[..., Any]:
+def counted(fn: Callable[..., Any], region: Region, symbolic: bool = False) -> Callable[..., Any]:
     """`fn` (a compiled graph's runner), each run counted for `region` in the capture running
-    now (a graph compiled during an earlier capture is reused by dynamo's cache)."""
+    now (a graph compiled during an earlier capture is reused by dynamo's cache); `symbolic`:
+    the graph has symbolic sizes."""
     def run(*args: Any) -> Any:
-        if _ACTIVE is not None and _ACTIVE.regions.get(region.name) is not None:
-            _ACTIVE.regions[region.name].runs += 1
+        now = _ACTIVE.regions.get(region.name) if _ACTIVE is not None else None
+        if now is not None:
+            now.runs += 1
+            if now.fused is None or region.fused is False:  # how the graph was lowered, said by every
+                now.fused = region.fused                     # capture that runs it (False: some were not)
+            now.symbolic = now.symbolic or symbolic
         return fn(*args)
     return run
 
@@ -177,6 +186,11 @@ def compiled_regions(device_type: str, names: dict[int, str] | None = None,
     with contextlib.ExitStack() as stack:
         previous, _ACTIVE = _ACTIVE, state
         stack.callback(_restore_active, previous)
+        # torch.compile(module) warns that global module hooks fire for the wrapper it returns
+        # too: the capture's own hooks, which know (the wrapper is the root they name "").
+        stack.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks",
+                                category=UserWarning)
         if "torch._dynamo" in sys.modules:
             _install(stack, state, install_compile)
         else:

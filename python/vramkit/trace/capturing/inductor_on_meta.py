@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from .batch_sizes import batch_sizes_varying
 from .compiled_regions import CompiledRegions, Region, counted
 
 __all__ = ["install_compile"]
@@ -156,7 +157,7 @@ def _inner_cpu(region: Region, real_inner: Callable[..., Any]) -> Callable[..., 
             raise RuntimeError("inductor's output had no Python wrapper whose allocations a capture can see")
         wrapper_globals["empty_strided_cpu"] = wrapper_globals["empty_strided_cpu_pinned"] = _cpu_empty
         region.fused = True
-        out.current_callable = counted(call, region)
+        out.current_callable = counted(call, region, _symbolic(example_inputs))
         return out
 
     inner.vramkit_meta = True  # type: ignore[attr-defined]
@@ -194,7 +195,7 @@ def _inner(region: Region, real_inner: Callable[..., Any]) -> Callable[..., Any]
                 wrapper_globals[check] = _no_kernel
         if region.fused is None:
             region.fused = True
-        out.current_callable = counted(call, region)
+        out.current_callable = counted(call, region, _symbolic(example_inputs))
         return out
 
     inner.vramkit_meta = True  # type: ignore[attr-defined]
@@ -235,6 +236,13 @@ def _composite_meta_kernels(stack: contextlib.ExitStack) -> None:
             op._dispatch_cache.clear()
 
     stack.callback(restore)
+
+
+def _symbolic(inputs: Sequence[Any]) -> bool:
+    """Whether a graph's example inputs have symbolic sizes (dynamo compiled it with dynamic shapes)."""
+    return any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt)
+                                                                                  for d in v.shape))
+               for v in inputs)
 
 
 def _no_kernel(*args: Any) -> None:
@@ -304,9 +312,9 @@ def install_compile(stack: contextlib.ExitStack, state: CompiledRegions) -> None
         AsyncCompile.cpp_pybinding = lambda self, argtypes, source_code: _no_kernel  # type: ignore[method-assign]
     # No cache in or out: a cached artifact would skip the wrapper patch above, and one made
     # here must never serve a real run. Static shapes, as a training run at one batch size
-    # compiles them; recompiles for other batch sizes stay within a raised limit.
+    # compiles them, except under ``batch_sizes_vary``; recompiles stay within a raised limit.
     stack.enter_context(inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False,
                                               compile_threads=1))
     stack.enter_context(functorch_config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False))
-    stack.enter_context(dynamo_config.patch(automatic_dynamic_shapes=False,
+    stack.enter_context(dynamo_config.patch(automatic_dynamic_shapes=batch_sizes_varying(),
                                             recompile_limit=max(64, dynamo_config.recompile_limit)))

@@ -25,6 +25,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._pytree import tree_flatten
 
 from ..sharding.block_stack import repeated_blocks
+from .batch_sizes import batch_sizes_varying
 from ..sharding.cpu_offload import tag_host
 from ..formats.file_format import PHASES
 
@@ -50,56 +51,124 @@ def _label_graph(outputs: Any, path: str) -> None:
                 stack.append(nxt)
 
 
-def install_hooks(rec: Any) -> list[torch.utils.hooks.RemovableHandle]:
-    def pre(module: nn.Module, args: Any) -> None:
-        # (inside a graph dynamo traces, a hook would be compiled into it, or break it: the
-        # compiled region's allocations are the compiled module's; issue 33)
-        if torch.compiler.is_compiling() or threading.get_ident() != rec.thread:
-            return  # the hooks are process-wide; another thread's models are not this capture's
-        if not rec.module_stack:
-            if id(module) not in rec.names:
-                _add_root(rec, module)
-            if rec.phase in (_OTHER, -1) and rec.step >= 0:
-                rec.phase = _FORWARD
-            if rec.autocast is not None and rec.region is None and torch._C._current_graph_task_id() == -1:
-                # capture(autocast=...): the model's forward runs in an autocast region.
-                rec.region = torch.autocast(rec.autocast_device, dtype=rec.autocast)
-                rec.region.__enter__()
-        path = rec.names.get(id(module))
-        if path is None:
-            parent = rec.module_stack[-1] if rec.module_stack else ""
-            path = f"{parent}.{type(module).__name__}" if parent else type(module).__name__
-        rec.module_stack.append(path)
+# The recorder of the capture running now (captures never nest: capture_step's lock), read by
+# the hooks below, which are module-level functions. Dynamo guards a compiled module's call on
+# torch's global hook tables (their keys and functions). A capture's hooks get fresh keys, as
+# torch's registration gives them, so every capture compiles its compiled regions afresh, as a
+# training run's first step does: compiling holds tensors a step reusing its graphs frees
+# sooner (a compiled Hugging Face GPT-2 at batch 8: 343 MB at its first step, really and as
+# captured; 276 MB captured with graphs reused). Under batch_sizes_vary (fit's search) they
+# go in under one fixed key instead, so that later captures reuse the graphs.
+_RECORDER: Any = None
+_KEY_SIZES_VARY = -0x766B  # RemovableHandle ids count up from 0: a negative one is never torch's
 
-    def post(module: nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling() or threading.get_ident() != rec.thread:
-            return
-        if rec.module_stack:
-            path = rec.module_stack.pop()
-            if torch.is_grad_enabled():
-                _label_graph(output, path or type(module).__name__)
-        if not rec.module_stack and rec.region is not None:
-            region, rec.region = rec.region, None
-            region.__exit__(None, None, None)
 
-    def opt_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
-        if torch.compiler.is_compiling() or threading.get_ident() != rec.thread:
-            return
-        if not any(r() is optimizer for r in rec.optimizers):
-            rec.optimizers.append(weakref.ref(optimizer))
-        _tag_grads(rec, optimizer)
-        rec.in_optimizer += 1
+def _recorder() -> Any:
+    """The capture's recorder, or None: outside a capture, inside a graph dynamo traces (a hook
+    would be compiled into it, or break it: the compiled region's allocations are the compiled
+    module's; issue 33), or on another thread (the hooks are process-wide)."""
+    if torch.compiler.is_compiling():
+        return None
+    rec = _RECORDER
+    return rec if rec is not None and threading.get_ident() == rec.thread else None
 
-    def opt_post(optimizer: Any, args: Any, kwargs: Any) -> None:
-        if torch.compiler.is_compiling() or threading.get_ident() != rec.thread:
-            return
-        rec.in_optimizer = max(0, rec.in_optimizer - 1)
-        _tag_optimizer_state(rec, optimizer)
-        tag_host(rec)  # FSDP2's offloaded gradients and states, while the gradients still exist
-        rec.phase = _OTHER
 
-    return [register_module_forward_pre_hook(pre), register_module_forward_hook(post, always_call=True),
-            register_optimizer_step_pre_hook(opt_pre), register_optimizer_step_post_hook(opt_post)]
+def _pre(module: nn.Module, args: Any) -> None:
+    rec = _recorder()
+    if rec is None:
+        return
+    if not rec.module_stack:
+        if id(module) not in rec.names:
+            _add_root(rec, module)
+        if rec.phase in (_OTHER, -1) and rec.step >= 0:
+            rec.phase = _FORWARD
+        if rec.autocast is not None and rec.region is None and torch._C._current_graph_task_id() == -1:
+            # capture(autocast=...): the model's forward runs in an autocast region.
+            rec.region = torch.autocast(rec.autocast_device, dtype=rec.autocast)
+            rec.region.__enter__()
+    path = rec.names.get(id(module))
+    if path is None:
+        parent = rec.module_stack[-1] if rec.module_stack else ""
+        path = f"{parent}.{type(module).__name__}" if parent else type(module).__name__
+    rec.module_stack.append(path)
+
+
+def _post(module: nn.Module, args: Any, output: Any) -> None:
+    rec = _recorder()
+    if rec is None:
+        return
+    if rec.module_stack:
+        path = rec.module_stack.pop()
+        if torch.is_grad_enabled():
+            _label_graph(output, path or type(module).__name__)
+    if not rec.module_stack and rec.region is not None:
+        region, rec.region = rec.region, None
+        region.__exit__(None, None, None)
+
+
+def _opt_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+    rec = _recorder()
+    if rec is None:
+        return
+    if not any(r() is optimizer for r in rec.optimizers):
+        rec.optimizers.append(weakref.ref(optimizer))
+    _tag_grads(rec, optimizer)
+    rec.in_optimizer += 1
+
+
+def _opt_post(optimizer: Any, args: Any, kwargs: Any) -> None:
+    rec = _recorder()
+    if rec is None:
+        return
+    rec.in_optimizer = max(0, rec.in_optimizer - 1)
+    _tag_optimizer_state(rec, optimizer)
+    tag_host(rec)  # FSDP2's offloaded gradients and states, while the gradients still exist
+    rec.phase = _OTHER
+
+
+def _insert_hook(table: dict[Any, Any], hook: Any, always_called: dict[Any, Any] | None = None
+                ) -> torch.utils.hooks.RemovableHandle:
+    """`hook` in torch's global hook `table`, under a fresh key or batch_sizes_vary's fixed one
+    (see ``_RECORDER``), removed by the handle returned as ``register_module_forward_hook``'s is."""
+    handle = torch.utils.hooks.RemovableHandle(table, extra_dict=always_called)  # (a fresh id)
+    if batch_sizes_varying():
+        handle.id = _KEY_SIZES_VARY
+    table[handle.id] = hook
+    if always_called is not None:
+        always_called[handle.id] = True
+    return handle
+
+
+def install_hooks(rec: Any) -> list[Any]:
+    """The capture's module and optimizer hooks for `rec`, until the handles (each with
+    ``remove()``) are removed."""
+    global _RECORDER
+    import torch.nn.modules.module as module_hooks
+    import torch.optim.optimizer as optimizer_hooks
+
+    found = [getattr(where, name, None) for where, name in (
+        (module_hooks, "_global_forward_pre_hooks"), (module_hooks, "_global_forward_hooks"),
+        (optimizer_hooks, "_global_optimizer_pre_hooks"), (optimizer_hooks, "_global_optimizer_post_hooks"),
+        (module_hooks, "_global_forward_hooks_always_called"))]
+    tables: list[dict[Any, Any]] = [t for t in found if isinstance(t, dict)]
+    handles: list[Any]
+    if len(tables) < len(found):  # (a torch whose tables moved: its own registration, fresh keys)
+        handles = [register_module_forward_pre_hook(_pre), register_module_forward_hook(_post, always_call=True),
+                   register_optimizer_step_pre_hook(_opt_pre), register_optimizer_step_post_hook(_opt_post)]
+    else:
+        handles = [_insert_hook(tables[0], _pre), _insert_hook(tables[1], _post, tables[4]),
+                   _insert_hook(tables[2], _opt_pre), _insert_hook(tables[3], _opt_post)]
+    _RECORDER = rec
+    handles.append(_Forget())
+    return handles
+
+
+class _Forget:
+    """The last handle: the recorder forgotten with the hooks."""
+
+    def remove(self) -> None:
+        global _RECORDER
+        _RECORDER = None
 
 
 def _named_modules(rec: Any) -> Iterator[tuple[str, nn.Module]]:

@@ -45,7 +45,7 @@ def _stream_name(stream: Any) -> str:
             for key, value in names.items():
                 if value is stream and isinstance(key, str):
                     return key
-    return type(stream).__name__
+    return getattr(stream, "vramkit_name", None) or type(stream).__name__
 
 
 def storage_of(t: Any) -> torch.UntypedStorage | None:

@@ -50,6 +50,17 @@ def _name(trace: Trace, table: str | None, value: int) -> str:
     return repr(trace.name_of(table, value)) if value >= 0 else "unknown"
 
 
+def _comparable_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """`meta` less what tells one capture from another of the same step: how many graphs
+    ``torch.compile`` compiled during it (the first capture of a compiled step compiles, the
+    next reuse its graphs)."""
+    regions = meta.get("compiled_regions")
+    if not isinstance(regions, list):
+        return meta
+    return {**meta, "compiled_regions": [{k: v for k, v in r.items() if k != "graphs"} if isinstance(r, dict) else r
+                                         for r in regions]}
+
+
 def _structure_difference(x: Trace, y: Trace, what_x: str, what_y: str) -> str | None:
     """The first difference between two traces other than their sizes and meta['batch_size'],
     in words, or None: event columns, per-allocation tables, string tables, meta."""
@@ -76,10 +87,11 @@ def _structure_difference(x: Trace, y: Trace, what_x: str, what_y: str) -> str |
             i = int(diff[0])
             return (f"allocation {i}: {what} {_name(x, strings, int(a[i]))} {what_x}, "
                     f"{_name(y, strings, int(b[i]))} {what_y}")
-    for key in sorted((set(x.meta) | set(y.meta)) - {"batch_size"}):
-        if x.meta.get(key, ...) != y.meta.get(key, ...):
+    mx, my = _comparable_meta(x.meta), _comparable_meta(y.meta)
+    for key in sorted((set(mx) | set(my)) - {"batch_size"}):
+        if mx.get(key, ...) != my.get(key, ...):
             absent = "(absent)"
-            return f"meta[{key!r}] is {x.meta.get(key, absent)!r} {what_x}, {y.meta.get(key, absent)!r} {what_y}"
+            return f"meta[{key!r}] is {mx.get(key, absent)!r} {what_x}, {my.get(key, absent)!r} {what_y}"
     if ("batch_size" in x.meta) != ("batch_size" in y.meta):
         return f"meta['batch_size'] is set {what_x if 'batch_size' in x.meta else what_y} only"
     return None
@@ -178,6 +190,9 @@ class BatchModel:
         meta = copy.deepcopy(t.meta)
         if "batch_size" in meta:
             meta["batch_size"] = int(batch_size)
+        for region in meta.get("compiled_regions") or ():
+            if isinstance(region, dict) and "graphs" in region:
+                region["graphs"] = 0  # nothing was compiled for a derived trace
         return Trace(kind=t.kind.copy(), id=t.id.copy(), size=sizes, stream=t.stream.copy(),
                      alloc_dtype=t.alloc_dtype.copy(), alloc_category=t.alloc_category.copy(),
                      alloc_module=t.alloc_module.copy(), alloc_op=t.alloc_op.copy(), dtypes=list(t.dtypes),

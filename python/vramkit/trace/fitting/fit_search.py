@@ -13,6 +13,7 @@ that did not, so it needs about 2 log2(B) probes and, when traces can be derived
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from typing import Any
 from ..._core.sizes import format_size
 from ..._core.text_html import TextAsHtml
 from ..capturing.capture_step import capture
+from ..capturing.batch_sizes import batch_sizes_vary
+from ..capturing.compiled_regions import EAGER_BOUND
 from ..formats.file_format import Trace
 from ..replaying.replay_sim import ON_DEVICE, Prediction, peak_live_bytes, region_list, replay
 from ..sharding.fake_dist import check_rank
@@ -110,7 +113,11 @@ class FitReport(TextAsHtml):
                 alloc = format_size(pr.peak_allocated) if pr.fits else "-"
                 res = format_size(pr.peak_reserved) if pr.fits else "OOM"
                 mark = "  (derived)" if p.derived else ""
+                mark += "  (compiled with a symbolic batch size)" if p.symbolic else ""
                 lines.append(f"{p.batch_size:>7}  {'yes' if pr.fits else 'no':<4}  {alloc:>15}  {res:>14}{mark}")
+            if any(p.symbolic for p in self.probes):
+                lines.append("(compiled steps are searched with graphs compiled for any batch size, and the answer "
+                             "confirmed with graphs compiled for its batch size, as a training run compiles them)")
             if any(p.derived for p in self.probes) or self.derivation.startswith(_ALL_CAPTURED):
                 lines.append(f"({self.derivation}; {self.captures} capture{'s' if self.captures != 1 else ''} "
                              "in all)")
@@ -130,18 +137,25 @@ class FitReport(TextAsHtml):
 
 
 def _capture(build: Callable[..., Any], batch_size: int, steps: int, options: Mapping[str, Any],
-             progress: Callable[[str], None] | None = None) -> Trace:
+             progress: Callable[[str], None] | None = None, vary: bool = False) -> Trace:
     """The one place fit captures: `options` are capture's keyword arguments (checkpoint_blocks,
     autocast, ...), passed through, so that a new capture option is a new entry in fit's
-    `capture_options`, nothing here."""
-    trace = capture(build, batch_size, device="meta", steps=steps, meta={"batch_size": batch_size},
-                    progress=progress, **options)
+    `capture_options`, nothing here. `vary`: under ``batch_sizes_vary`` (a compiled step's
+    dynamic-shape graphs serve most batch sizes, not one compile per probe)."""
+    with batch_sizes_vary() if vary else contextlib.nullcontext():
+        trace = capture(build, batch_size, device="meta", steps=steps, meta={"batch_size": batch_size},
+                        progress=progress, **options)
     if trace.meta.get("form") != "builder":
         name = getattr(build, "__qualname__", type(build).__name__)
         what = trace.meta.get("first_return", "no function")
         raise TypeError(f"{name}({batch_size}) returned {'None' if what == 'NoneType' else 'a ' + what}: the builder "
                         "must build the model, optimizer and batch and return the step function (`return step`)")
     return trace
+
+
+def _compiled_graphs(trace: Trace) -> int:
+    """Graphs ``torch.compile`` compiled during the capture of `trace`."""
+    return sum(int(r.get("graphs", 0)) for r in trace.meta.get("compiled_regions", ()))
 
 
 def _options_key(options: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
@@ -169,6 +183,7 @@ class _Configuration:
         self.model: BatchModel | None = None
         self.checked_at = 0  # the capture that agreed with the model event for event (0: none yet)
         self.off = ""  # why traces are no longer derived ("" while they may be)
+        self.bases: list[int] = []  # batch sizes >= 2 captured since the step's graphs last compiled
 
     def note(self) -> str:
         if self.off:
@@ -189,8 +204,9 @@ class _Traces:
     more than affine sizes, or the check fails, the configuration is captured at every batch
     size from then on (and `say` is told why). Batch size 1 is always captured."""
 
-    def __init__(self, build: Callable[..., Any], steps: int, derive: bool, say: Callable[[str], None]) -> None:
-        self.build, self.steps, self.derive, self.say = build, steps, derive, say
+    def __init__(self, build: Callable[..., Any], steps: int, derive: bool, say: Callable[[str], None],
+                 vary: bool = False) -> None:
+        self.build, self.steps, self.derive, self.say, self.vary = build, steps, derive, say, vary
         self.captures = 0
         self.fallbacks: list[str] = []
         self._configs: dict[tuple[tuple[str, str], ...], _Configuration] = {}
@@ -213,22 +229,28 @@ class _Traces:
                 return cfg.model.at(batch_size), DERIVED
             except ValueError as exc:  # a size the line takes below 0 or past 2**62 there: capture instead
                 self._stop(cfg, str(exc))
-        trace = _capture(self.build, batch_size, self.steps, cfg.options, self.say)
+        trace = _capture(self.build, batch_size, self.steps, cfg.options, self.say, self.vary)
         self.captures += 1
         if self.derive and not cfg.off and batch_size >= MIN_BATCH_SIZE:
             self._learn(cfg, batch_size, trace)
         return trace, CAPTURED
 
     def _learn(self, cfg: _Configuration, batch_size: int, trace: Trace) -> None:
+        if _compiled_graphs(trace):
+            # This capture compiled graphs (the first, static at its batch size, or the
+            # dynamic-shape ones dynamo makes when the batch size changes): the captures of
+            # earlier graphs are no base for the graphs that serve from now on.
+            cfg.model, cfg.checked_at, cfg.bases = None, 0, [batch_size]
+            return
         if cfg.model is None:
-            bases = [b for b, (_, how) in cfg.traces.items() if b >= MIN_BATCH_SIZE and how == CAPTURED]
-            if bases:
-                a = bases[0]
+            if cfg.bases:
+                a = cfg.bases[0]
                 cfg.model = BatchModel.from_traces(cfg.traces[a][0], a, trace, batch_size)
                 if cfg.model is None:
                     why = mismatch(cfg.traces[a][0], a, trace, batch_size)
                     self._stop(cfg, f"the captures at batch sizes {a} and {batch_size} differ in more than sizes "
                                     f"affine in the batch size ({why})")
+            cfg.bases.append(batch_size)
         elif not cfg.checked_at:
             a, b = cfg.model.batch_sizes
             try:
@@ -311,10 +333,20 @@ def fit(build: Callable[..., Any], gpu: GpuSpec, *, batch_size: int | None = Non
     capture_options: dict[str, Any] = {"checkpoint_blocks": False, "autocast": None, "cuda": target.cuda_choices()}
     if world_size is not None:  # one rank of a sharded job (fake_dist): the batch size is per rank
         capture_options.update(world_size=world_size, rank=rank)
-    traces = _Traces(build, steps, derive, say)
-    for bs, trace in (captured or {}).items():
-        traces.config(capture_options).traces[bs] = (trace, CAPTURED)
-    cache: dict[tuple[int, str, tuple[tuple[str, str], ...]], Probe] = {}
+    # The search captures under batch_sizes_vary: a compiled step's graphs compile twice (static,
+    # then with the batch size symbolic) instead of once per probe. Inductor's plan for symbolic
+    # sizes can differ from the static one a run at one batch size compiles, so for such a step
+    # the answers are then confirmed by static captures (`exact`), and searched again with them
+    # if they disagree.
+    searching = _Traces(build, steps, derive, say, vary=True)
+    exact = _Traces(build, steps, False, say)
+    for traces in (searching, exact):
+        for bs, trace in (captured or {}).items():
+            traces.config(capture_options).traces[bs] = (trace, CAPTURED)
+            if bs >= MIN_BATCH_SIZE:
+                traces.config(capture_options).bases.append(bs)
+    use = [searching]
+    cache: dict[tuple[int, int, str, tuple[tuple[str, str], ...]], Probe] = {}
 
     def probe(bs: int, conf: str | None = target.alloc_conf, checkpoint_blocks: bool | int = False,
               autocast: Any = None, loop: bool = False, sharding: Any = None) -> Probe:
@@ -323,7 +355,8 @@ def fit(build: Callable[..., Any], gpu: GpuSpec, *, batch_size: int | None = Non
             options["sharding"] = sharding
         if loop:  # the optimizer one parameter at a time: CUDA's foreach choice not made
             options["cuda"] = without_foreach(options["cuda"])
-        key = (bs, str(conf), _options_key(options))
+        traces = use[0]
+        key = (int(traces is exact), bs, str(conf), _options_key(options))
         if key not in cache:
             t0 = time.perf_counter()
             trace, source = traces.get(bs, options)
@@ -333,10 +366,13 @@ def fit(build: Callable[..., Any], gpu: GpuSpec, *, batch_size: int | None = Non
             pred.communication_sent = communication_sent(trace)
             pred.host_bytes = host_bytes(trace)
             live = peak_live_bytes(trace, rounded=True, categories=ON_DEVICE)
-            p = cache[key] = Probe(bs, pred, time.perf_counter() - t0, source, live)
+            compiled = _inductor_compiled(trace)
+            symbolic = any(r.get("symbolic_sizes") for r in trace.meta.get("compiled_regions", ()))
+            p = cache[key] = Probe(bs, pred, time.perf_counter() - t0, source, live, symbolic)
             verdict = f"fits, peak reserved {format_size(p.prediction.peak_reserved)}" if p.fits else "OOM"
             how = (f" with {conf}" if conf != target.alloc_conf else "") + _how(options)
-            say(f"batch size {bs}{how}: {verdict} ({source}, {p.seconds:.1f} s)")
+            shapes = (", symbolic batch size" if p.symbolic else ", static shapes" if compiled else "")
+            say(f"batch size {bs}{how}: {verdict} ({source}{shapes}, {p.seconds:.1f} s)")
         return cache[key]
 
     report = FitReport(gpu=target, target_batch_size=batch_size, max_batch_size=0)
@@ -345,6 +381,10 @@ def fit(build: Callable[..., Any], gpu: GpuSpec, *, batch_size: int | None = Non
     if search:
         report.max_batch_size, report.searched_up_to = _largest(probe, max_batch_size, batch_size,
                                                                 report.target)
+    if any(_inductor_compiled(t) for t, _ in searching.config(capture_options).traces.values()):
+        use[0] = exact
+        _confirm_static(report, probe, max_batch_size, batch_size, exact.fallbacks, say)
+    traces = use[0]
     if batch_size is not None and report.target is not None and not report.target.fits:  # (target: batch_size set)
         written, _ = traces.get(batch_size, {**capture_options, "checkpoint_blocks": False, "autocast": None})
         # foreach=False is a change only where an optimizer left its implementation to torch and
@@ -357,12 +397,45 @@ def fit(build: Callable[..., Any], gpu: GpuSpec, *, batch_size: int | None = Non
                                      # FSDP2 computing in bf16 already: autocast would change next to nothing
                                      amp=strategy.get("param_dtype") not in ("bfloat16", "float16"))
     plain = _options_key(capture_options)
-    report.probes = [p for (bs, conf, options), p in sorted(cache.items(), key=lambda kv: kv[0][0])
-                     if conf == str(target.alloc_conf) and options == plain]
-    as_written = traces.config(capture_options)
-    report.traces = {bs: trace for bs, (trace, _) in sorted(as_written.traces.items())}
-    report.captures, report.fallbacks, report.derivation = traces.captures, traces.fallbacks, as_written.note()
+    probes: dict[int, Probe] = {}  # by batch size; a static capture's over the search's
+    for (_, bs, conf, options), p in sorted(cache.items(), key=lambda kv: kv[0][:2]):
+        if conf == str(target.alloc_conf) and options == plain:
+            probes[bs] = p
+    report.probes = [probes[bs] for bs in sorted(probes)]
+    as_written = searching.config(capture_options)
+    report.traces = {bs: trace for t in (searching, exact) for bs, (trace, _) in t.config(capture_options).traces.items()}
+    report.traces = dict(sorted(report.traces.items()))
+    report.captures = searching.captures + exact.captures
+    report.fallbacks, report.derivation = searching.fallbacks + exact.fallbacks, as_written.note()
     return report
+
+
+def _inductor_compiled(trace: Trace) -> bool:
+    """Whether `trace` ran graphs inductor compiled (whose plan depends on static or symbolic sizes)."""
+    return any(r.get("backend") == "inductor" and r.get("how") != EAGER_BOUND
+               for r in trace.meta.get("compiled_regions", ()))
+
+
+def _confirm_static(report: FitReport, probe: Callable[..., Probe], limit: int, target: int | None,
+                    fallbacks: list[str], say: Callable[[str], None]) -> None:
+    """`report`'s answers for a compiled step, found with dynamic-shape graphs, confirmed with the
+    static graphs a run at one batch size compiles (``probe`` now captures those): the target
+    batch size again, and the largest batch size that fits with the next one; if either
+    verdict changes, the search runs again on static captures alone."""
+    before = report.target.fits if report.target is not None else None
+    if target is not None:
+        report.target = probe(target).prediction
+    if not report.searched_up_to:
+        return
+    best = report.max_batch_size
+    agree = before == (report.target.fits if report.target is not None else None)
+    agree = agree and (best == 0 or probe(best).fits) and (best >= limit or not probe(best + 1).fits)
+    if not agree:
+        line = ("the compiled step's graphs with a symbolic batch size hold other memory than its static ones "
+                f"around batch size {best}: searched again, captured with static shapes at every batch size")
+        fallbacks.append(line)
+        say(line)
+        report.max_batch_size, report.searched_up_to = _largest(probe, limit, target, report.target)
 
 
 def _largest(probe: Callable[..., Probe], limit: int, target: int | None,

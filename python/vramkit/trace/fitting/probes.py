@@ -22,6 +22,9 @@ class Probe:
     seconds: float
     trace_source: str = CAPTURED  # CAPTURED or DERIVED (then the trace was computed, not run)
     live_peak: int = 0  # peak of live bytes (rounded to blocks) on a GPU large enough for it
+    # Its compiled graphs had the batch size symbolic (fit's search of a compiled step), not
+    # static as a run at this one batch size compiles them: inductor may plan other buffers.
+    symbolic: bool = False
 
     @property
     def fits(self) -> bool:
