@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(REPO, "tests", "unit"))
 
 ROWS = [("mlp", 64), ("cnn", 8), ("cnn", 16), ("gpt-small", 4), ("gpt-d256-s256", 4), ("gpt-d256-s256", 8),
         ("gpt-lm-loss", 4), ("gpt-lm-loss", 8), ("hf-qwen2", 4), ("hf-llama-gqa", 4), ("hf-llama-gqa", 8),
-        ("hf-vit", 8), ("hf-vit", 16), ("hf-gpt2", 4)]
+        ("hf-vit", 8), ("hf-vit", 16), ("hf-gpt2", 4), ("adamw-step", 2), ("gpt-lm-loss-opt", 4)]
 QUICK = [("mlp", 64), ("gpt-lm-loss", 4)]
 
 

@@ -117,6 +117,26 @@ def _classifier_step(make: Callable[[], nn.Module], sample: tuple[int, ...], bac
     return build
 
 
+def optimizer_step(optimizer: str, compile_step: bool, backend: str = "inductor") -> Callable[[int], Callable[[], None]]:
+    """A step whose peak is the optimizer's (parameters dominate: 4 x 1 MiB), foreach as on a
+    GPU, its ``optimizer.step`` compiled (or not)."""
+    def build(batch: int) -> Callable[[], None]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
+        opt = getattr(torch.optim, optimizer)(model.parameters(), lr=1e-3, foreach=True)
+        step_opt = torch.compile(opt.step, backend=backend) if compile_step else opt.step
+        x = torch.randn(batch, 512)
+
+        def step() -> None:
+            model(x).sum().backward()
+            step_opt()
+            opt.zero_grad(set_to_none=True)
+
+        return step
+
+    return build
+
+
 def mlp_step(backend: Backend, d: int = 512, dynamic: bool | None = None) -> Callable[[int], Callable[[], None]]:
     return _classifier_step(lambda: MLP(d), (d,), backend, dynamic)
 
@@ -199,6 +219,7 @@ MODELS: dict[str, Callable[[Backend], Callable[[int], Callable[[], None]]]] = {
     "hf-llama-gqa": lambda b: hf_lm_step("llama", b),
     "hf-vit": hf_vit_step,
     "mlp": mlp_step,
+    "adamw-step": lambda b: optimizer_step("AdamW", b is not None, b or "inductor"),
     "cnn": cnn_step,
 }
 

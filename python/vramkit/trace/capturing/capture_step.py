@@ -43,7 +43,7 @@ from .cuda_streams import cuda_streams_on_meta
 from ..sharding.fake_dist import COLLECTIVE_NAMESPACES, check_rank, collectives_by_step, note_collective, one_rank, \
     store_wait_hint
 from .meta_values import MetaValues, tensors_in
-from .module_tags import install_hooks, restore_blocks, tag_all, tag_args
+from .module_tags import compiled_optimizer_step, install_hooks, restore_blocks, tag_all, tag_args
 from .recorder import CATEGORY_INDEX, OTHER, SETUP, Recorder, storage_of, to_trace
 from ..formats.file_format import PHASE, STEP, Trace
 from ..sharding.sharding_changes import ShardingChange, sharding_changed, strategy_of
@@ -220,10 +220,11 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
     and the bytes this rank sends. `sharding` (a ``ShardingChange``) runs the script's DDP or
     FSDP2 calls with a different strategy (FSDP2 instead of DDP, reshard_after_forward, bf16).
     `progress` receives a line every 5 s of a long capture (ops so far, the module running).
-    ``torch.compile``d regions (modules, functions) are captured as compiled (on meta, inductor's
-    partition, fusion and buffer plan without running a kernel; issue 33) and listed in
-    ``trace.meta["compiled_regions"]``, each ``how`` "compiled" or "eager upper bound" (a compiled
-    optimizer step, an unmodelled backend), with ``why``.
+    ``torch.compile``d regions (modules, functions, ``optimizer.step``) are captured as compiled
+    (on meta, inductor's partition, fusion and buffer plan without running a kernel; issue 33),
+    each compiled afresh as a run's first step compiles it, and listed in
+    ``trace.meta["compiled_regions"]``, each ``how`` "compiled" or "eager upper bound" (an
+    unmodelled backend), with ``why``.
     Raises ``CaptureError`` (with the step's exception as cause) if the step raises;
     nothing is returned then.
     """
@@ -267,7 +268,7 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
                 (cuda_streams_on_meta(rec) if dev.type == "meta" else contextlib.nullcontext()), \
                 (offload_on_meta(rec) if dev.type == "meta" and world_size is not None else contextlib.nullcontext()), \
                 (fsdp_buffers(rec) if world_size is not None else contextlib.nullcontext()), \
-                compiled_regions(dev.type, rec.names, install_compile) as compiled:
+                compiled_regions(dev.type, rec.names, install_compile, compiled_optimizer_step(rec)) as compiled:
             rec.collectives = group.log if group is not None else None
             if group is not None:  # DDP's buckets: the only tensors all-reduced on the group object
                 group.on_allreduce = functools.partial(_buckets, rec)

@@ -17,10 +17,13 @@ Running them as compiled: the capture's mode says ``ignore_compile_internals() i
 there, so dynamo compiles with the mode off and runs the compiled artifact with the mode back
 on. Per backend:
 
-* ``inductor``: inductor's own pipeline decides (``inductor_on_meta``);
-* ``aot_eager``, ``eager``: their graphs run ATen op by op on meta, captured as they run;
-* any other backend, and a compiled ``optimizer.step`` (dynamo makes its state while tracing,
-  with the mode off): not modelled; run eagerly ("eager upper bound").
+* ``inductor``: inductor's own pipeline decides (``inductor_on_meta``); for a compiled
+  ``optimizer.step``, whose state dynamo makes while tracing (with the mode off) and whose
+  hooks its graph compiles away, ``optimizer_step`` (the capture's) records both around each
+  run of its graphs;
+* ``aot_eager``, ``eager``: their graphs run ATen op by op on meta, captured as they run (an
+  optimizer step compiled by them runs eagerly: "eager upper bound");
+* any other backend: not modelled; run eagerly ("eager upper bound").
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import functools
 import sys
 import threading
 import warnings
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -58,6 +62,7 @@ class Region:
     runs: int = 0  # runs of its compiled graphs during this capture
     fused: bool | None = None  # inductor: its graphs lowered with fusion (None: not inductor)
     symbolic: bool = False  # some graph it ran had symbolic sizes (dynamic shapes: batch_sizes_vary)
+    optimizer: Any = None  # a compiled optimizer step's optimizer (a weak reference)
 
     def describe(self) -> dict[str, Any]:
         out = {"name": self.name, "how": self.how, "why": self.why, "backend": self.backend,
@@ -79,6 +84,8 @@ class CompiledRegions:
         self.names = names if names is not None else {}  # id(module) -> its path in the capture
         self.regions: dict[str, Region] = {}
         self.current: Region | None = None  # the region entered last: its compiles are its graphs
+        # Called around each run of a compiled optimizer step's graphs: (optimizer, before)
+        self.optimizer_step: Callable[[Any, bool], None] | None = None
 
     def enter(self, fn: Any, backend: str) -> Region:
         name = self._name_of(fn)
@@ -165,6 +172,14 @@ def counted(fn: Callable[..., Any], region: Region, symbolic: bool = False) -> C
             if now.fused is None or region.fused is False:  # how the graph was lowered, said by every
                 now.fused = region.fused                     # capture that runs it (False: some were not)
             now.symbolic = now.symbolic or symbolic
+            optimizer = now.optimizer() if now.optimizer is not None else None
+            around = _ACTIVE.optimizer_step if _ACTIVE is not None else None
+            if optimizer is not None and around is not None:
+                around(optimizer, True)
+                try:
+                    return fn(*args)
+                finally:
+                    around(optimizer, False)
         return fn(*args)
     return run
 
@@ -174,8 +189,8 @@ def counted(fn: Callable[..., Any], region: Region, symbolic: bool = False) -> C
 
 @contextlib.contextmanager
 def compiled_regions(device_type: str, names: dict[int, str] | None = None,
-                     install_compile: Callable[[contextlib.ExitStack, CompiledRegions], None] | None = None
-                     ) -> Iterator[CompiledRegions]:
+                     install_compile: Callable[[contextlib.ExitStack, CompiledRegions], None] | None = None,
+                     optimizer_step: Callable[[Any, bool], None] | None = None) -> Iterator[CompiledRegions]:
     """For one capture: record the compiled regions entered and compile them as the module
     docstring says, inductor's compile patched by `install_compile` (``inductor_on_meta``'s,
     given by the capture). Everything patched is restored on exit. Dynamo and inductor (2 s to
@@ -183,6 +198,7 @@ def compiled_regions(device_type: str, names: dict[int, str] | None = None,
     yet, the patches go in at its first call during the capture."""
     global _ACTIVE
     state = CompiledRegions(device_type, names)
+    state.optimizer_step = optimizer_step
     with contextlib.ExitStack() as stack:
         previous, _ACTIVE = _ACTIVE, state
         stack.callback(_restore_active, previous)
@@ -233,13 +249,15 @@ def _install(stack: contextlib.ExitStack, state: CompiledRegions,
             state.eager(region, "torch.compiler's stance runs it eagerly")
         elif backend not in _MODELLED:
             return None  # not modelled: run eagerly, captured op by op
-        elif isinstance(getattr(fn, "__self__", None), torch.optim.Optimizer):
-            # Dynamo creates an optimizer's state while it traces the step, with the capture's
-            # mode off (it would be missed), and the step's hooks, which file the gradients
-            # and the state, are compiled away: the step runs eagerly instead.
-            state.eager(region, "a compiled optimizer step runs eagerly in a capture (dynamo makes its "
-                                "state unseen, while tracing): its temporaries are the eager step's")
-            return None
+        elif isinstance(optimizer := getattr(fn, "__self__", None), torch.optim.Optimizer):
+            if backend != "inductor" or state.optimizer_step is None:
+                state.eager(region, f"a compiled optimizer step with backend {backend!r} runs eagerly in a capture: "
+                                    "its temporaries are the eager step's")
+                return None
+            # Inductor's: dynamo makes the state while it traces the step, with the capture's
+            # mode off, and the step's hooks (which file the gradients and the state) are
+            # compiled away; state.optimizer_step records both around each run of its graphs.
+            region.optimizer = weakref.ref(optimizer)
         return chosen
 
     eval_frame._callback_from_stance = callback_from_stance

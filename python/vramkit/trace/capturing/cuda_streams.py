@@ -100,7 +100,7 @@ def cuda_streams_on_meta(rec: Any) -> Iterator[None]:
     saved = {name: getattr(torch.cuda, name) for name in replaced}
     for name, value in replaced.items():
         setattr(torch.cuda, name, value)
-    torch.Tensor.record_stream = record_stream  # type: ignore[method-assign]
+    torch.Tensor.record_stream = record_stream  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:

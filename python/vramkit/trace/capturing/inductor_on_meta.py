@@ -180,6 +180,12 @@ def _inner(region: Region, real_inner: Callable[..., Any]) -> Callable[..., Any]
             return _op_by_op(gm, region, f"a graph could not be lowered ({type(exc).__name__}: {str(exc)[:200]})")
         call = getattr(out, "current_callable", None)
         wrapper_globals = getattr(getattr(call, "__func__", call), "__globals__", None)
+        if call is None and callable(out) and not any(n.op == "call_function" for n in gm.graph.nodes):
+            # A graph that computes nothing (inputs passed through, between a compiled
+            # optimizer step's graph breaks): inductor returns it as it is; nothing to lower.
+            run = counted(out, region, _symbolic(example_inputs))
+            run._boxed_call = getattr(out, "_boxed_call", False)  # type: ignore[attr-defined]
+            return run
         if call is None or wrapper_globals is None:
             return _op_by_op(gm, region, "inductor's output had no Python wrapper to run on meta")
         # Its buffers on meta, through the dispatcher (inductor's C++ fast path bypasses it,

@@ -108,22 +108,52 @@ def _post(module: nn.Module, args: Any, output: Any) -> None:
 
 def _opt_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
     rec = _recorder()
-    if rec is None:
-        return
+    if rec is not None:
+        _before_step(rec, optimizer)
+
+
+def _opt_post(optimizer: Any, args: Any, kwargs: Any) -> None:
+    rec = _recorder()
+    if rec is not None:
+        _after_step(rec, optimizer)
+
+
+def _before_step(rec: Any, optimizer: Any) -> None:
     if not any(r() is optimizer for r in rec.optimizers):
         rec.optimizers.append(weakref.ref(optimizer))
     _tag_grads(rec, optimizer)
     rec.in_optimizer += 1
 
 
-def _opt_post(optimizer: Any, args: Any, kwargs: Any) -> None:
-    rec = _recorder()
-    if rec is None:
-        return
+def _after_step(rec: Any, optimizer: Any) -> None:
     rec.in_optimizer = max(0, rec.in_optimizer - 1)
     _tag_optimizer_state(rec, optimizer)
     tag_host(rec)  # FSDP2's offloaded gradients and states, while the gradients still exist
     rec.phase = _OTHER
+
+
+def compiled_optimizer_step(rec: Any) -> Any:
+    """What the step hooks do, for an optimizer step ``torch.compile``d by inductor, whose hooks
+    its graph compiled away: called by ``compiled_regions`` around each run of the step's graphs
+    (`before` True, then False). Before the first run, the state dynamo made while it traced the
+    step (``_init_group``, run with the capture's mode off) is recorded as allocated there: a
+    real run makes it at that moment too, in its first step."""
+    def around(optimizer: Any, before: bool) -> None:
+        if threading.get_ident() != rec.thread:
+            return
+        if not before:
+            _after_step(rec, optimizer)
+            return
+        for state in optimizer.state.values():
+            items = state.items() if isinstance(state, dict) else [(None, v) for v in tree_flatten(state)[0]]
+            for key, value in items:
+                for t in tree_flatten(value)[0]:
+                    st = t.untyped_storage() if isinstance(t, torch.Tensor) and not t.is_sparse else None
+                    if st is not None and int(st.nbytes()) and rec.counts(st) and rec.id_of(st) is None:
+                        rec.new_storage(st, t.dtype, "optimizer state (made by dynamo's trace)")
+        _before_step(rec, optimizer)
+
+    return around
 
 
 def _insert_hook(table: dict[Any, Any], hook: Any, always_called: dict[Any, Any] | None = None
