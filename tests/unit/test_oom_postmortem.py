@@ -313,3 +313,49 @@ def test_the_model_state_split_against_the_tensors_themselves():
     assert model_state_bytes("cuda:0", [model], [opt], allocated=10 * MiB) == {}  # nothing of it there
     rs = remedies(post_mortem(categories={"parameters": 1, "optimizer state": 5, "activations and other": 2}))
     assert any(r.startswith("the optimizer's state is the largest part") for r in rs)
+
+
+def test_blocks_recorded_without_a_python_frame_are_named_by_the_nearest_frame_not_before_history():
+    """Issue 34: on an H100, 14.0 GiB live at a CUDA OOM were listed as "(allocated before the
+    recorded history)", though the history held them: blocks made inside an operator with no
+    Python on the stack (autograd's backward thread). They are named by the nearest recorded
+    frame; only blocks the history never saw made are "before the history"."""
+    from vramkit.report.sites import (BEFORE_HISTORY, NO_PYTHON_FRAME, allocation_sites, live_at_oom, live_sites,
+                                      replay)
+    from vramkit.survive.oom_report import build
+
+    base = 0x7F00_0000_0000
+    forward = [ts.frame("/home/user/train.py", 30, "forward")]
+    backward_call = [ts.frame("/home/user/train.py", 52, "step")]
+    early, act, grad, grad_in = base, base + 2 * MiB, base + 14 * MiB, base + 34 * MiB
+    trace = ts.flatten([
+        ts.alloc(act, 12 * MiB, frames=forward),               # the forward's activation
+        ts.alloc(base + 60 * MiB, 1 * MiB, frames=backward_call),  # loss.backward()'s first gradient
+        ts.alloc(grad, 20 * MiB),                               # made on autograd's thread: no frames
+        ts.alloc(grad_in, 6 * MiB),
+        [{"action": "oom", "size": 40 * MiB, "device_free": 1 * MiB}],
+    ])
+    blocks = [ts.live(2 * MiB, 2 * MiB), ts.live(12 * MiB, 12 * MiB, forward), ts.live(20 * MiB, 20 * MiB),
+              ts.live(6 * MiB, 6 * MiB), ts.block(20 * MiB), ts.live(1 * MiB, 1 * MiB, backward_call)]
+    snapshot = ts.snapshot([trace], [ts.segment(early, blocks)])
+    near = f"{NO_PYTHON_FRAME} near train.py:52 in step"
+
+    live, from_history = live_at_oom(snapshot)
+    assert from_history
+    assert live_sites(live) == [(near, 26 * MiB, 2), ("train.py:30 in forward", 12 * MiB, 1),
+                                (BEFORE_HISTORY, 2 * MiB, 1), ("train.py:52 in step", 1 * MiB, 1)]
+    pm = build({"device": "cuda:0", "requested": 40 * MiB}, snapshot, allocator="torch")
+    assert pm.sites[0] == (near, 26 * MiB, 2) and BEFORE_HISTORY not in pm.sites[0][0]
+    assert near in pm.text()
+    # the peak's sites and the live blocks say the same
+    r = replay(snapshot)
+    labels = {a.size: a.label for a in r.live_at_peak}
+    assert labels == {20 * MiB: near, 6 * MiB: near, 12 * MiB: "train.py:30 in forward", 2 * MiB: BEFORE_HISTORY,
+                      1 * MiB: "train.py:52 in step"}
+    sites = {s.label: (s.live_at_peak, s.count) for s in allocation_sites(snapshot, replayed=r)}
+    assert sites[near] == (26 * MiB, 2) and sites[BEFORE_HISTORY] == (2 * MiB, 1)
+    # at the history's start, the first frame recorded after the block is the nearest
+    first = ts.flatten([ts.alloc(grad, 20 * MiB), ts.alloc(act, 12 * MiB, frames=forward)])
+    snap2 = ts.snapshot([first], [ts.segment(early, blocks[:3] + [ts.block(58 * MiB)])])
+    assert {a.size: a.label for a in replay(snap2).live_at_peak}[20 * MiB] == \
+        f"{NO_PYTHON_FRAME} near train.py:30 in forward"

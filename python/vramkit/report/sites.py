@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "BEFORE_HISTORY", "AllocationSite", "Frame", "LiveAllocation", "MemoryReplay", "allocation_sites", "device_trace",
-    "format_bytes", "is_internal_frame", "live_at_oom", "live_sites", "replay", "site_key", "user_frames",
+    "BEFORE_HISTORY", "NO_PYTHON_FRAME", "AllocationSite", "Frame", "LiveAllocation", "MemoryReplay", "allocation_sites",
+    "device_trace", "format_bytes", "is_internal_frame", "live_at_oom", "live_sites", "replay", "site_key", "site_label",
+    "user_frames",
 ]
 
 Snapshot = Mapping[str, Any]
@@ -30,6 +31,10 @@ Snapshot = Mapping[str, Any]
 # The label of allocations made before the recorded history began without a recorded stack: the
 # history saw only their free, or they are still alive but were allocated while recording was off.
 BEFORE_HISTORY = "(allocated before the recorded history)"
+# The label of allocations the history recorded without a Python frame: made inside an operator
+# with no Python on the stack (autograd's backward runs on its own C++ thread), followed by the
+# nearest recorded Python frame, the step's code running then ("near train.py:52 in step").
+NO_PYTHON_FRAME = "(made inside an operator: no Python frame)"
 
 
 @dataclass(frozen=True)
@@ -60,12 +65,18 @@ class LiveAllocation:
     size: int
     frames: Stack
     before_history: bool = False  # allocated before the first recorded event
+    near: Stack = ()  # recorded without frames: the nearest recorded event's stack (see NO_PYTHON_FRAME)
 
     @property
     def frame(self) -> Frame | None:
         """The innermost frame of user code (outside NumPy, vramkit, runpy, importlib)."""
         user = user_frames(self.frames)
         return user[0] if user else None
+
+    @property
+    def label(self) -> str:
+        """Where it was made, in a report's words (``site_label``)."""
+        return site_label(site_key(self.frames) if self.frames else (), self.near, self.before_history)
 
 
 @dataclass(frozen=True)
@@ -101,10 +112,14 @@ class MemoryReplay:
 class AllocationSite:
     """All recorded allocations made from one place in the user's code."""
 
-    frames: Stack  # the site's stack, innermost first (see site_key); () for BEFORE_HISTORY
+    frames: Stack  # the site's stack, innermost first (see site_key); () when none was recorded
     live_at_peak: int  # bytes from this site alive at the peak of allocated bytes
     total_bytes: int  # bytes allocated from this site over the whole history
     count: int  # allocations from this site
+    # Recorded without frames (NO_PYTHON_FRAME): the site key of the nearest recorded stack, or ()
+    # for allocations made before the history (BEFORE_HISTORY).
+    near: Stack = ()
+    before_history: bool = False
 
     @property
     def frame(self) -> Frame | None:
@@ -113,8 +128,17 @@ class AllocationSite:
 
     @property
     def label(self) -> str:
-        frame = self.frame
-        return frame.short() if frame else BEFORE_HISTORY
+        return site_label(self.frames, self.near, self.before_history)
+
+
+def site_label(frames: Stack, near: Stack = (), before_history: bool = True) -> str:
+    """A site's words: its innermost frame; for a block recorded without frames, NO_PYTHON_FRAME
+    and the nearest recorded frame; for one made before the history, BEFORE_HISTORY."""
+    if frames:
+        return frames[0].short()
+    if before_history:
+        return BEFORE_HISTORY
+    return f"{NO_PYTHON_FRAME} near {near[0].short()}" if near else NO_PYTHON_FRAME
 
 
 def format_bytes(n: int) -> str:
@@ -235,6 +259,27 @@ def _stack(entry: Mapping[str, Any], cache: dict[tuple[Any, ...], Stack] | None 
     return stack
 
 
+def _nearest_stacks(trace: Sequence[Mapping[str, Any]], cache: dict[tuple[Any, ...], Stack]) -> list[Stack]:
+    """Per event, the stack of the nearest event with frames: the last one before it (the step's
+    code that was running, as autograd's backward runs from its ``.backward()`` call), else, at
+    the start of the history, the first one after it; () when no event has frames."""
+    out: list[Stack] = []
+    last: Stack = ()
+    for e in trace:
+        if e.get("frames"):
+            last = _stack(e, cache)
+        out.append(last)
+    first = next((x for x in out if x), ())
+    return [x or first for x in out]
+
+
+def _live(index: int, e: Mapping[str, Any], cache: dict[tuple[Any, ...], Stack],
+          near: Sequence[Stack]) -> LiveAllocation:
+    """The block event `index` (an 'alloc', `e`) made; recorded without frames, with the nearest stack."""
+    frames = _stack(e, cache)
+    return LiveAllocation(int(e["addr"]), int(e["size"]), frames, False, () if frames else site_key(near[index]))
+
+
 def _initial_live(trace: Sequence[Mapping[str, Any]], segments: Sequence[Mapping[str, Any]]) -> list[LiveAllocation]:
     """Allocations that were live before the first recorded event.
 
@@ -295,16 +340,17 @@ def replay(snapshot: Snapshot, device: int | None = None) -> MemoryReplay:
 
     peak = max(range(len(allocated)), key=allocated.__getitem__)  # first maximum
     initial = _initial_live(trace, segments)
-    live: dict[int, LiveAllocation | Mapping[str, Any]] = {a.address: a for a in initial}
-    for e in trace[:peak]:  # events only: most are freed again before the peak
+    live: dict[int, LiveAllocation | int] = {a.address: a for a in initial}
+    for i, e in enumerate(trace[:peak]):  # event indices only: most are freed again before the peak
         action = e.get("action")
         if action == "alloc":
-            live[int(e["addr"])] = e
+            live[int(e["addr"])] = i
         elif action == "free_requested":
             live.pop(int(e["addr"]), None)
     cache: dict[tuple[Any, ...], Stack] = {}
-    at_peak = sorted((v if isinstance(v, LiveAllocation) else LiveAllocation(a, int(v["size"]), _stack(v, cache))
-                      for a, v in live.items()), key=lambda x: (-x.size, x.address))
+    near = _nearest_stacks(trace, cache)
+    at_peak = sorted((v if isinstance(v, LiveAllocation) else _live(v, trace[v], cache, near)
+                      for v in live.values()), key=lambda x: (-x.size, x.address))
     return MemoryReplay(index, tuple(times), tuple(allocated), tuple(reserved), peak, tuple(at_peak),
                         tuple(initial), len(trace), sum(1 for e in trace if e.get("action") == "alloc"), has_time)
 
@@ -321,27 +367,36 @@ def allocation_sites(snapshot: Snapshot, device: int | None = None, *,
     replayed: replay(snapshot, device) if the caller already has it (it is the costly part).
     """
     r = replayed if replayed is not None else replay(snapshot, device)
-    totals: dict[Stack, list[int]] = {}  # site -> [live_at_peak, total_bytes, count]
+    # site (its frames' key, the nearest stack's key when it has none, before the history) ->
+    # [live_at_peak, total_bytes, count]
+    totals: dict[tuple[Stack, Stack, bool], list[int]] = {}
     keys: dict[Stack, Stack] = {}  # stack -> site key, computed once per distinct stack
     cache: dict[tuple[Any, ...], Stack] = {}
 
-    def add(frames: Stack, live: int, total: int, count: int) -> None:
+    def key_of(frames: Stack) -> Stack:
         key = keys.get(frames)
         if key is None:
             key = keys[frames] = site_key(frames)
-        t = totals.setdefault(key, [0, 0, 0])
+        return key
+
+    def add(a: LiveAllocation, live: int, total: int, count: int) -> None:
+        site = (key_of(a.frames), () if a.frames else key_of(a.near), not a.frames and a.before_history)
+        t = totals.setdefault(site, [0, 0, 0])
         t[0] += live
         t[1] += total
         t[2] += count
 
     for a in r.initial_live:
-        add(a.frames, 0, a.size, 1)
-    for e in device_trace(snapshot, r.device):
+        add(a, 0, a.size, 1)
+    trace = device_trace(snapshot, r.device)
+    near = _nearest_stacks(trace, cache)
+    for i, e in enumerate(trace):
         if e.get("action") == "alloc":
-            add(_stack(e, cache), 0, int(e["size"]), 1)
+            add(_live(i, e, cache, near), 0, int(e["size"]), 1)
     for a in r.live_at_peak:
-        add(a.frames, a.size, 0, 0)
-    sites = [AllocationSite(stack, live, total, count) for stack, (live, total, count) in totals.items()]
+        add(a, a.size, 0, 0)
+    sites = [AllocationSite(stack, live, total, count, nearby, before)
+             for (stack, nearby, before), (live, total, count) in totals.items()]
     sites.sort(key=lambda s: (-s.live_at_peak, -s.total_bytes, s.label))
     return sites
 
@@ -361,24 +416,25 @@ def live_at_oom(snapshot: Snapshot, device: int | None = None) -> tuple[list[Liv
         now = [LiveAllocation(int(b["address"]), int(b["size"]), _stack(b, cache))
                for s in segments for b in s.get("blocks") or () if b.get("state") == "active_allocated"]
         return sorted(now, key=lambda x: (-x.size, x.address)), False
-    live: dict[int, LiveAllocation | Mapping[str, Any]] = {a.address: a for a in _initial_live(trace, segments)}
-    for e in trace[:last]:
+    live: dict[int, LiveAllocation | int] = {a.address: a for a in _initial_live(trace, segments)}
+    for i, e in enumerate(trace[:last]):
         action = e.get("action")
         if action == "alloc":
-            live[int(e["addr"])] = e
+            live[int(e["addr"])] = i
         elif action == "free_requested":
             live.pop(int(e["addr"]), None)
-    at = [v if isinstance(v, LiveAllocation) else LiveAllocation(a, int(v["size"]), _stack(v, cache))
-          for a, v in live.items()]
+    near = _nearest_stacks(trace, cache)
+    at = [v if isinstance(v, LiveAllocation) else _live(v, trace[v], cache, near) for v in live.values()]
     return sorted(at, key=lambda x: (-x.size, x.address)), True
 
 
-def live_sites(live: Iterable[LiveAllocation]) -> list[tuple[Stack, int, int]]:
-    """Live allocations grouped by site (``site_key``): (site, bytes, count), largest first.
-    Allocations without a recorded stack share the site ``()`` (BEFORE_HISTORY)."""
-    totals: dict[Stack, list[int]] = {}
+def live_sites(live: Iterable[LiveAllocation]) -> list[tuple[str, int, int]]:
+    """Live allocations grouped by site: (its label, bytes, count), largest first. A site is
+    its stack's ``site_key``; blocks recorded without frames are grouped by the nearest recorded
+    stack (NO_PYTHON_FRAME), and those made before the history share BEFORE_HISTORY."""
+    totals: dict[str, list[int]] = {}
     for a in live:
-        t = totals.setdefault(site_key(a.frames) if a.frames else (), [0, 0])
+        t = totals.setdefault(a.label, [0, 0])
         t[0] += a.size
         t[1] += 1
     return sorted(((k, v[0], v[1]) for k, v in totals.items()), key=lambda x: (-x[1], -x[2]))

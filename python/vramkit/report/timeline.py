@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._core.files import write_atomically
-from .sites import BEFORE_HISTORY, Frame, LiveAllocation, MemoryReplay, allocation_sites, format_bytes, replay, user_frames
+from .sites import Frame, LiveAllocation, MemoryReplay, allocation_sites, format_bytes, replay, user_frames
 
 __all__ = ["downsample", "render_html", "write_html"]
 
@@ -155,7 +155,7 @@ def _live_table(live: Sequence[LiveAllocation], top: int) -> str:
     rows = []
     for rank, a in enumerate(live[:top], 1):
         frame = a.frame or (a.frames[0] if a.frames else None)
-        site = frame.short() if frame else (BEFORE_HISTORY if a.before_history else "(no Python stack)")
+        site = frame.short() if frame else a.label
         note = " (before history)" if a.before_history else ""
         rows.append(f"<tr><td>{rank}</td><td class=num>{_e(format_bytes(a.size))}</td>"
                     f"<td><code>{a.address:#x}</code></td><td>{_e(site + note)}</td>"

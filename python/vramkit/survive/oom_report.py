@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._core.text_html import TextAsHtml
-from ..report.sites import BEFORE_HISTORY, format_bytes, live_at_oom, live_sites
+from ..report.sites import format_bytes, live_at_oom, live_sites
 
 __all__ = ["OomDumpWarning", "PostMortem", "build", "model_state_bytes", "remedies", "write_files"]
 
@@ -103,8 +103,7 @@ def build(info: Mapping[str, Any], snapshot: Mapping[str, Any] | None, *, alloca
     if snapshot is not None:
         try:
             live, pm.live_from_history = live_at_oom(snapshot, trace_index)
-            pm.sites = [(stack[0].short() if stack else BEFORE_HISTORY, n, count)
-                        for stack, n, count in live_sites(live)[:top]]
+            pm.sites = live_sites(live)[:top]
         except (ValueError, KeyError, TypeError) as exc:  # a snapshot we cannot read: the figures still stand
             pm.problems.append(f"the snapshot could not be read: {exc}")
     pm.remedies = remedies(pm)
