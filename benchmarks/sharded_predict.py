@@ -74,6 +74,7 @@ def h200_part() -> list[str]:
 
     path = os.path.join(REPO, "benchmarks", "gpu", "results", "h200-2026-11-26", "sharded_gpu.json")
     measured = {r["case"]: r for r in json.load(open(path))}
+    first_run = {r["case"]: r for r in json.load(open(path.replace(".json", "_first_run.json")))}
     profile = vt.gpu_profile("H200-141GB")
     rows = ["| case (1.3B GPT, batch 2, world size 1) | measured max allocated (GiB) | predicted (GiB) | predicted / "
             "measured | measured max reserved (GiB) | predicted (GiB) | predicted / measured | capture (s) |",
@@ -91,9 +92,12 @@ def h200_part() -> list[str]:
             continue
         p = vt.replay(trace, gpu=profile)
         s = time.perf_counter() - t0
-        rows.append(f"| {case} | {m['max_allocated'] / 2**30:.3f} | {p.peak_allocated / 2**30:.3f} | "
-                    f"{p.peak_allocated / m['max_allocated']:.4f} | {m['max_reserved'] / 2**30:.3f} | "
-                    f"{p.peak_reserved / 2**30:.3f} | {p.peak_reserved / m['max_reserved']:.4f} | {s:.1f} |")
+        # DDP measured twice: its bucket rebuild overlapped the old buckets in the first run only
+        for name, m in ((case, m), (f"{case} (first run)", first_run.get(case) if case == "ddp" else None)):
+            if m is not None:
+                rows.append(f"| {name} | {m['max_allocated'] / 2**30:.3f} | {p.peak_allocated / 2**30:.3f} | "
+                            f"{p.peak_allocated / m['max_allocated']:.4f} | {m['max_reserved'] / 2**30:.3f} | "
+                            f"{p.peak_reserved / 2**30:.3f} | {p.peak_reserved / m['max_reserved']:.4f} | {s:.1f} |")
     return rows
 
 

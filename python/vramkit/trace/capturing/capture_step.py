@@ -251,6 +251,7 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
     rec = Recorder(dev)
     rec.checkpoint_blocks = checkpoint_blocks
     rec.autocast, rec.autocast_device = autocast, ("cuda" if dev.type == "meta" else "cpu")
+    rec.hold_buckets = dev.type == "meta" and cuda.nccl
     hooks = install_hooks(rec)
     info = dict(meta or {})
     # No cyclic garbage collection during the capture: a tensor held by a reference cycle (a
@@ -329,7 +330,7 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
             for ref in rec.optimizers if (o := ref()) is not None for g in getattr(o, "param_groups", ()))
         if dev.type == "meta":
             info["cuda_choices"] = {"dropout": cuda.dropout, "optimizer": cuda.optimizer, "attention": cuda.attention,
-                                    "arch": f"{cuda.arch[0]}.{cuda.arch[1]}"}
+                                    "nccl": cuda.nccl, "arch": f"{cuda.arch[0]}.{cuda.arch[1]}"}
         return to_trace(rec, info)
     finally:
         for h in hooks:
@@ -342,8 +343,12 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
 
 
 def _buckets(rec: Recorder, tensors: list[torch.Tensor]) -> None:
+    rec.release_held()  # (CudaChoices.nccl: buckets freed earlier go when the next all-reduce starts)
     for t in tensors:
         rec.see(t, "ddp_bucket")
+        st = storage_of(t)
+        if st is not None:
+            rec.hold(st)
 
 
 def _call(fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
@@ -368,6 +373,7 @@ def _begin_step(rec: Recorder) -> None:
 
 def _end_step(rec: Recorder) -> None:
     rec.module_stack.clear()
+    rec.release_held()  # (CudaChoices.nccl: DDP's old buckets, freed at their rebuild)
     tag_all(rec)
     tag_host(rec)  # (after tag_all: FSDP2's offloaded shards, gradients and states are host memory)
 

@@ -32,6 +32,13 @@ equals a CPU capture event for event.
   chooser decides (``_fused_sdp_choice`` on stand-in CPU tensors of the same shapes and
   strides, which allocate no more than one row).
 
+* ``nccl``: a bucket DDP all-reduces (``capture_step._buckets``) is held, at its free, until
+  DDP's next all-reduce starts or the step ends (``Recorder.hold``). At the bucket rebuild of
+  DDP's second step the old buckets are freed in its forward; on a GPU they lived on beside the
+  new ones until the backward's first all-reduce (ProcessGroupNCCL keeps a collective's tensors
+  until it has seen the work complete). Calibrated on an H200: it reproduces both DDP runs
+  that had the overlap (``CudaChoices`` says more).
+
 Not a choice but a gap: ``torch.nn.utils``' gradient clipping (``clip_grad_norm_``,
 ``clip_grad_value_``, ``get_total_norm``, ``clip_grads_with_norm_``) asks
 ``_foreach_utils._device_has_foreach_support``, which is true on CUDA and on CPU and false on

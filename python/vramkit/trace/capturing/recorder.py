@@ -100,6 +100,11 @@ class Recorder:
         self.thread = threading.get_ident()  # the hooks act only for the capturing thread
         self.collectives: list[tuple[str, int, int]] | None = None  # a sharded capture's group log
         self.collective_marks: list[int] = []  # its length at the start of each step
+        # CudaChoices.nccl: ids of DDP buckets, whose frees wait for DDP's next all-reduce (or the
+        # step's end), and the frees waiting
+        self.hold_buckets = False
+        self.held_at_free: set[int] = set()
+        self.waiting_frees: list[int] = []
         self.checkpointed_path = ""
 
     # ---------------------------------------------------------------- phases
@@ -211,8 +216,27 @@ class Recorder:
             entry = self.live.get(key)
             if entry is not None and entry[0] == i:
                 del self.live[key]
+            if i in self.held_at_free:
+                self.waiting_frees.append(i)  # freed for the allocator at the step's end
+                return
             self._mark()
             self.events.append((FREE, i, self.size[i]))
+
+    def hold(self, st: Any) -> None:
+        """`st` (a bucket DDP all-reduces) is held, at its free, until the next all-reduce
+        starts or the step ends (``CudaChoices.nccl``)."""
+        i = self.id_of(st)
+        if i is not None and self.hold_buckets:
+            self.held_at_free.add(i)
+
+    def release_held(self) -> None:
+        """The frees that waited happen now."""
+        with self.lock:
+            if self.waiting_frees:
+                self._mark()
+            for i in self.waiting_frees:
+                self.events.append((FREE, i, self.size[i]))
+            self.waiting_frees.clear()
 
     def counts(self, st: Any) -> bool:
         """Whether a storage is memory of this capture: on its device, or a CPU storage in a
