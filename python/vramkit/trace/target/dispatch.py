@@ -1,6 +1,6 @@
 """``CudaChoices``: the dispatch choices a CUDA run on the target GPU makes and a meta run would
 make differently (dropout's mask, the optimizer's foreach implementation, the attention
-backend), and the architecture they depend on.
+backend, cuDNN's convolution workspaces), and the architecture they depend on.
 
 Plain data, without torch: a ``Target`` carries them (``Target.cuda_choices()``), and
 ``capturing/cuda_choices.py`` installs them for one capture (see its docstring for what each
@@ -21,15 +21,16 @@ class CudaChoices:
     dropout: bool = True
     optimizer: bool = True
     attention: bool = True
+    workspaces: bool = True  # cuDNN's convolution workspaces, modelled (capturing/conv_workspaces.py)
     arch: tuple[int, int] = (9, 0)  # compute capability of the target GPU (H100: 9.0)
 
     @classmethod
     def off(cls) -> "CudaChoices":
         """Meta as the CPU: a meta capture then equals a CPU capture event for event."""
-        return cls(dropout=False, optimizer=False, attention=False)
+        return cls(dropout=False, optimizer=False, attention=False, workspaces=False)
 
     def __post_init__(self) -> None:
-        for name in ("dropout", "optimizer", "attention"):
+        for name in ("dropout", "optimizer", "attention", "workspaces"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"CudaChoices.{name} must be True or False, got {getattr(self, name)!r}")
         arch = self.arch
