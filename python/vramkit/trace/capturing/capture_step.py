@@ -39,6 +39,7 @@ from .inductor_on_meta import install_compile
 from .capture_hooks import deferred_init, fsdp_buffers, storage_resizes, stream_synchronizations
 from ..sharding.cpu_offload import offload_on_meta, tag_host
 from .cuda_choices import CudaChoices, install as install_choices
+from .conv_workspaces import ConvWorkspaces
 from .cuda_streams import cuda_streams_on_meta
 from ..sharding.fake_dist import COLLECTIVE_NAMESPACES, check_rank, collectives_by_step, note_collective, one_rank, \
     store_wait_hint
@@ -68,6 +69,7 @@ class _CaptureMode(TorchDispatchMode):
         super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is unannotated
         self.rec = rec
         self.values = MetaValues(origin_of=self._origin) if rec.device.type == "meta" else None
+        self.workspaces: ConvWorkspaces | None = None  # set by capture() on meta with CUDA's workspaces on
         self.progress: Callable[[str], None] | None = None
         self.ops = 0
         self.stage = ""
@@ -104,6 +106,13 @@ class _CaptureMode(TorchDispatchMode):
             if st is not None and rec.counts(st):
                 rec.used_on(st, args[1])
             return None
+        if self.workspaces is not None and func in ConvWorkspaces.ops:
+            return self.workspaces.run(self._run_op, func, args, kwargs)  # (cuDNN's, modelled)
+        return self._run_op(func, args, kwargs)
+
+    def _run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run one op and record the storages it made."""
+        rec = self.rec
         # (on meta the arguments' tensors are needed before the op, and found once for both uses)
         args_in = tensors_in((args, kwargs)) if self.values is not None else None
         out = func(*args, **kwargs) if self.values is None else self.values.run(func, args, kwargs, args_in)
@@ -208,7 +217,8 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
     On meta, the step makes the dispatch choices a CUDA run makes (`cuda`: a ``CudaChoices``,
     True for all of them on an H100's architecture, False for none, when the capture equals a CPU
     capture): dropout's bool mask, the optimizer's foreach (or fused) implementation, the
-    attention backend CUDA's rules pick. Small tensors made from constants, ranges and random
+    attention backend CUDA's rules pick, cuDNN's convolution workspaces (modelled sizes,
+    ``conv_workspaces``; ``trace.meta["estimated_bytes"]`` says so). Small tensors made from constants, ranges and random
     inputs keep CPU values, so data-dependent Python on them (``.item()``, ``if mask.all():``)
     runs as on a GPU (``meta_values``).
     With `world_size` (and `rank`, default 0), the step runs as rank `rank` of a
@@ -276,6 +286,8 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
             tag_args(rec, (args, kwargs))
             mode = _CompilingCaptureMode(rec)
             mode.progress = progress
+            if dev.type == "meta" and cuda.workspaces:
+                mode.workspaces = ConvWorkspaces(rec, cuda.arch)
             values = mode.values
             with mode, (values.tolist() if values is not None else contextlib.nullcontext()), \
                     (values.python_data() if values is not None else contextlib.nullcontext()):
@@ -330,7 +342,10 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
             for ref in rec.optimizers if (o := ref()) is not None for g in getattr(o, "param_groups", ()))
         if dev.type == "meta":
             info["cuda_choices"] = {"dropout": cuda.dropout, "optimizer": cuda.optimizer, "attention": cuda.attention,
-                                    "nccl": cuda.nccl, "arch": f"{cuda.arch[0]}.{cuda.arch[1]}"}
+                                    "nccl": cuda.nccl, "workspaces": cuda.workspaces,
+                                    "arch": f"{cuda.arch[0]}.{cuda.arch[1]}"}
+            if mode.workspaces is not None and mode.workspaces.count:
+                info["estimated_bytes"] = mode.workspaces.describe()
         return to_trace(rec, info)
     finally:
         for h in hooks:

@@ -1,6 +1,7 @@
 """``CudaChoices``: the dispatch choices a CUDA run on the target GPU makes and a meta run would
 make differently (dropout's mask, the optimizer's foreach implementation, the attention
-backend, how long NCCL holds DDP's buckets), and the architecture they depend on.
+backend, how long NCCL holds DDP's buckets, cuDNN's convolution workspaces), and the architecture
+they depend on.
 
 Plain data, without torch: a ``Target`` carries them (``Target.cuda_choices()``), and
 ``capturing/cuda_choices.py`` installs them for one capture (see its docstring for what each
@@ -21,6 +22,7 @@ class CudaChoices:
     dropout: bool = True
     optimizer: bool = True
     attention: bool = True
+    workspaces: bool = True  # cuDNN's convolution workspaces, modelled (capturing/conv_workspaces.py)
     arch: tuple[int, int] = (9, 0)  # compute capability of the target GPU (H100: 9.0)
     # A bucket DDP all-reduced is held, at its free, until DDP's next all-reduce starts (or the
     # step ends). At DDP's bucket rebuild (the second step's forward) the old buckets then live
@@ -34,10 +36,10 @@ class CudaChoices:
     @classmethod
     def off(cls) -> "CudaChoices":
         """Meta as the CPU: a meta capture then equals a CPU capture event for event."""
-        return cls(dropout=False, optimizer=False, attention=False, nccl=False)
+        return cls(dropout=False, optimizer=False, attention=False, nccl=False, workspaces=False)
 
     def __post_init__(self) -> None:
-        for name in ("dropout", "optimizer", "attention", "nccl"):
+        for name in ("dropout", "optimizer", "attention", "nccl", "workspaces"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"CudaChoices.{name} must be True or False, got {getattr(self, name)!r}")
         arch = self.arch
