@@ -192,3 +192,24 @@ def test_workspaces_off_removes_them_and_meta_equals_cpu():
 def test_workspace_switch_is_checked():
     with pytest.raises(TypeError):
         CudaChoices(workspaces=1)  # type: ignore[arg-type]
+
+
+def test_a_prediction_says_how_much_of_its_peak_is_estimated():
+    """Issue 34 part 2: the report says how much of the peak is modelled rather than seen."""
+    MiB = 1 << 20
+    # a (4 MiB, seen), b (2 MiB, estimated), both live at the peak; then c (1 MiB, estimated) alone
+    kind, ids, size = [0, 0, 1, 1, 0, 1], [0, 1, 0, 1, 2, 2], [4 * MiB, 2 * MiB, 4 * MiB, 2 * MiB, MiB, MiB]
+    meta = {"estimated_bytes": {"cudnn_workspaces": "modelled"}}
+    trace = vt.Trace.from_columns(kind=kind, id=ids, size=size, alloc_op=[0, 1, 1], ops=["aten::mm", "ws (estimated)"],
+                                  meta=meta)
+    p = vt.replay(trace, "1GiB", overheads=vt.NO_OVERHEADS)
+    assert p.peak_allocated == 6 * MiB and p.estimated_at_peak == 2 * MiB
+    assert p.estimates == {"cudnn_workspaces": "modelled"}
+    assert "estimated sizes" in p.table() and "2.00 MiB of what is allocated at the peak" in p.table()
+    # at an OOM: what was live when the failing request came
+    oom = vt.replay(trace, 5 * MiB, overheads=vt.NO_OVERHEADS)
+    assert not oom.fits and oom.estimated_at_peak == 0  # b (estimated) is the request that failed
+    # nothing estimated, or meta from a file that is not well-formed: no line
+    plain = vt.Trace.from_columns(kind=kind, id=ids, size=size, meta={"estimated_bytes": ["not", "a", "dict"]})
+    p = vt.replay(plain, "1GiB", overheads=vt.NO_OVERHEADS)
+    assert p.estimates == {} and p.estimated_at_peak == 0 and "estimated sizes" not in p.table()

@@ -68,6 +68,11 @@ class Prediction(TextAsHtml):
     # The step's torch.compile'd regions (the capture's meta["compiled_regions"]): name, how
     # ("compiled", or "eager upper bound": its figure is what eager holds), why, backend.
     compiled_regions: list[dict[str, Any]] = field(default_factory=list)
+    # Sizes the capture modelled rather than saw (trace.meta["estimated_bytes"]: what, and how),
+    # and the bytes of such allocations live at the peak (or the OOM): their op's name ends in
+    # "(estimated)", as cuDNN's workspaces' do.
+    estimates: dict[str, str] = field(default_factory=dict)
+    estimated_at_peak: int = 0
 
     @property
     def eager_bound_regions(self) -> list[str]:
@@ -146,6 +151,10 @@ class Prediction(TextAsHtml):
             how = {"compiled": "as compiled", "eager upper bound": "as EAGER: an upper bound"}.get(
                 region.get("how", ""), "without its CUDA graphs: a lower bound")
             rows.append((f"compiled {region.get('name', '?')}", f"predicted {how} ({region.get('why', '')})"))
+        if self.estimates:
+            share = f"{format_size(self.estimated_at_peak)} of what is allocated {label}"
+            rows.append(("estimated sizes", f"{share}; {', '.join(k.replace('_', ' ') for k in self.estimates)} "
+                                            "modelled, not seen (trace.meta['estimated_bytes'])"))
         w = self.where_peak
         if w:
             rows.append((f"{label}", f"step {w.get('step')}, {w.get('phase')}, {w.get('module') or '(outside modules)'}"
@@ -286,6 +295,7 @@ def replay(trace: Trace, gpu: GpuSpec, alloc_conf: AllocConf = None, *,
         block = allocated.astype(np.int64) - prev
     by_category: dict[str, int] = {}
     by_module: list[tuple[str, int]] = []
+    estimated_at_peak = 0
     where: dict[str, Any] = {}
     if focus >= 0 and n:
         upto = slice(0, focus + 1)
@@ -305,6 +315,11 @@ def replay(trace: Trace, gpu: GpuSpec, alloc_conf: AllocConf = None, *,
         cats[in_trace] = trace.alloc_category[live_ids[in_trace]]
         for c in np.unique(cats):
             by_category[str(cat_names[c])] = int(live_bytes[cats == c].sum())
+        estimated_ops = [i for i, name in enumerate(trace.ops) if name.endswith(_ESTIMATED)]
+        if estimated_ops:
+            ops = np.full(len(live_ids), -1, np.int64)
+            ops[in_trace] = trace.alloc_op[live_ids[in_trace]]
+            estimated_at_peak = int(live_bytes[np.isin(ops, estimated_ops)].sum())
         mods = np.full(len(live_ids), -2, np.int64)
         mods[in_trace] = trace.alloc_module[live_ids[in_trace]]
         totals: dict[str, int] = {}
@@ -326,7 +341,20 @@ def replay(trace: Trace, gpu: GpuSpec, alloc_conf: AllocConf = None, *,
                       peak_event=int(src[focus]) if oom is None and focus >= 0 else -1, where_peak=where,
                       by_category=by_category, by_module=by_module, oom=oom, events=int(res["events"]), replay_seconds=seconds, source=str(trace.meta.get("source", "")),
                       curves=out_curves, streams=_stream_names(trace),
-                      compiled_regions=_compiled_regions(trace))
+                      compiled_regions=_compiled_regions(trace), estimates=_estimates(trace),
+                      estimated_at_peak=estimated_at_peak)
+
+
+_ESTIMATED = "(estimated)"  # the end of the op name of an allocation whose size was modelled
+
+
+def _estimates(trace: Trace) -> dict[str, str]:
+    """The capture's ``meta["estimated_bytes"]`` (what was modelled: how), kept only if
+    well-formed: meta may come from a file."""
+    found = trace.meta.get("estimated_bytes")
+    if not isinstance(found, dict):
+        return {}
+    return {str(k): str(v) for k, v in found.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 def _stream_names(trace: Trace) -> dict[str, str]:
