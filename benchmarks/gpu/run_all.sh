@@ -4,8 +4,9 @@
 # API, amp kernels, torch's pluggable allocator with a real training loop, `vramkit run` on a torch
 # CUDA script, CuPy), then the GPU benchmarks: amp kernels (gpu/amp.py) and allocation latency
 # against torch, CuPy and cudaMallocAsync (gpu/alloc.py), vramkit's meta predictions against the GPU's own
-# max_memory_allocated/reserved (gpu/predict_vs_gpu.py), and single-rank DDP/FSDP2 runs on NCCL with
-# their allocator histories (gpu/sharded_gpu.py). Logs, tables and snapshots go to
+# max_memory_allocated/reserved (gpu/predict_vs_gpu.py), single-rank DDP/FSDP2 runs on NCCL with
+# their allocator histories (gpu/sharded_gpu.py), and fit's largest batch against the real one
+# (gpu/fit_boundary.py). Logs, tables and snapshots go to
 # ${OUT:-gpu-results}; the last lines printed are the summary. Fits one 10-minute call of the device tool (the build takes about 2 minutes).
 #
 #     bash benchmarks/gpu/run_all.sh            # full
@@ -42,6 +43,12 @@ cat "$out/predict_vs_gpu.md" >> "$out/summary.txt"
 timeout "${SHARDED_TIMEOUT:-120}" python benchmarks/gpu/sharded_gpu.py --out "$out" > "$out/sharded_gpu.md" 2> "$out/sharded_gpu.log"
 sharded_rc=$?
 cat "$out/sharded_gpu.md" >> "$out/summary.txt"
+# fit's largest batch against find_batch_size's on this GPU (issue 34): two models when QUICK
+fit_quick=()
+[ "${QUICK:-0}" = "1" ] && fit_quick=(--quick)
+timeout "${FIT_TIMEOUT:-150}" python benchmarks/gpu/fit_boundary.py "${fit_quick[@]}" --out "$out" > "$out/fit_boundary.md" 2> "$out/fit_boundary.log"
+fit_rc=$?
+cat "$out/fit_boundary.md" >> "$out/summary.txt"
 
 echo "=== GPU benchmarks ===" | tee -a "$out/summary.txt"
 quick=()
@@ -55,4 +62,4 @@ cat "$out/alloc.md" >> "$out/summary.txt"
 
 echo "=== summary ==="
 cat "$out/summary.txt"
-exit $(( tests_rc != 0 || bench_rc != 0 || alloc_rc != 0 || predict_rc != 0 || sharded_rc != 0 ))
+exit $(( tests_rc != 0 || bench_rc != 0 || alloc_rc != 0 || predict_rc != 0 || sharded_rc != 0 || fit_rc != 0 ))

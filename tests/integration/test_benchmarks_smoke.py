@@ -197,3 +197,32 @@ def test_gpu_alloc_benchmark_dry_run_on_a_simulated_device():
     rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| ") and " ns |" in line and not line.startswith("| case")]
     assert [r[0].lstrip("| ") for r in rows] == ["C pair, realistic mix"] + ["Python pair, realistic mix"] * 3
     assert all(float(r[1].split()[0]) > 0 for r in rows)
+
+
+def test_gpu_fit_boundary_dry_run_and_its_verdicts():
+    """benchmarks/gpu/fit_boundary.py without a GPU: fit's half on the H100-80GB profile limited
+    to 6 GiB (two models), each with a largest batch; and the table and exit rule the GPU run
+    uses, on made-up results (fit's answer that does not run, or below 97 % of the real one,
+    fails the run)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    bench = os.path.join(REPO, "benchmarks", "gpu", "fit_boundary.py")
+    if not os.path.exists(bench):
+        pytest.skip("benchmarks/ is not part of this installation")
+    proc = subprocess.run([sys.executable, bench, "--dry-run", "--quick"], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| ") and "(" in line
+            and not line.startswith("| model")]
+    assert len(rows) == 2 and all(int(r[3]) > 0 for r in rows)
+    spec = importlib.util.spec_from_file_location("fit_boundary", bench)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    made_up = [{"case": "a", "cap_gib": 6.0, "real_largest": 40, "fit_largest": 39, "fit_runs": True, "real_s": 1.0,
+                "fit_s": 2.0},
+               {"case": "b", "cap_gib": 6.0, "real_largest": 40, "fit_largest": 41, "fit_runs": False, "real_s": 1.0,
+                "fit_s": 2.0}]
+    lines = mod.table(made_up)
+    assert "| a | 6 | 40 | 39 | 0.975 | yes |" in lines[2] and "| NO |" in lines[3]
+    assert mod.failed(made_up) == ["b"]
+    assert mod.failed([dict(made_up[0], fit_largest=38)]) == ["a"]  # 0.95 of the real largest
