@@ -253,6 +253,9 @@ def test_torch_transformer_encoder_on_meta_with_cpu_rules_and_with_cuda_rules():
     cuda = {"aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_efficient_attention_backward",
             "aten::native_dropout", "aten::native_dropout_backward", "aten::_foreach_sqrt",
             "aten::clone",  # copies of the efficient kernel's (B, L, H, D)-strided output
+            # its backward's temporaries (sdpa_backward_cuda): fp32 delta = (grad_out * out).sum(-1)
+            # made contiguous, and the kernel's workspace
+            "aten::mul", "aten::sum", "aten::empty",
             "(first use)"}  # foreach Adam's host-side torch.tensor(1.0, device="cpu") per step
     cpu_paths = {"aten::_safe_softmax", "aten::_softmax_backward_data", "aten::bmm", "aten::empty_like", "aten::mul",
                  "aten::sqrt", "aten::div", "aten::clone"}

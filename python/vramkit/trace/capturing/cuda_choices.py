@@ -30,7 +30,9 @@ equals a CPU capture event for event.
   log-sum-exp row per query; memory-efficient: the same, rows padded to 32; math: the
   attention matrix, in float32 for fp16/bf16 inputs). With ``attention`` off, torch's own CPU
   chooser decides (``_fused_sdp_choice`` on stand-in CPU tensors of the same shapes and
-  strides, which allocate no more than one row).
+  strides, which allocate no more than one row). The backends' backward ops also make, on
+  meta, the temporaries their CUDA kernels make (``sdpa_backward_cuda``: a contiguous copy of
+  grad_out, float32 accumulators and workspaces).
 
 * ``nccl``: a bucket DDP all-reduces (``capture_step._buckets``) is held, at its free, until
   DDP's next all-reduce starts or the step ends (``Recorder.hold``). At the bucket rebuild of
@@ -60,6 +62,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..target.dispatch import CudaChoices
+from .sdpa_backward_cuda import register as register_attention_backward
 from .sdpa_rules import Backend, cuda_backend
 
 __all__ = ["CudaChoices", "install"]
@@ -201,6 +204,9 @@ def install(choices: CudaChoices | None, device: str) -> Iterator[None]:
     try:
         meta_cuda = choices if device == "meta" else None
         lib.impl("scaled_dot_product_attention", make_attention(meta_cuda), "AutogradMeta")
+        if meta_cuda is not None and meta_cuda.attention:
+            # the temporaries CUDA's attention backward kernels make besides their gradients
+            register_attention_backward(lib, meta_cuda.arch)
         if meta_cuda is not None and meta_cuda.dropout:
             lib.impl("dropout", _dropout, "AutogradMeta")
         if device == "meta":
