@@ -25,65 +25,31 @@ import argparse
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # (predict_vs_gpu, children)
 REPO = os.path.dirname(os.path.dirname(HERE))
 GiB = 1 << 30
 
 CASES = {
-    # name: (Hugging Face model, what it takes, sequence length), from configs, nothing downloaded
-    "causal LM (Llama 8x1024 GQA, seq 512)": ("llama", "lm", 512),
-    "conv net (ResNet-50, 224x224)": ("resnet", "image", 0),
-    "ViT-B/16 (224x224)": ("vit", "image", 0),
-    "encoder-decoder (T5-small, seq 256)": ("t5", "seq2seq", 256),
+    # name: predict_vs_gpu's Hugging Face model (from its config, nothing downloaded)
+    "causal LM (Llama 8x1024 GQA, seq 512)": "llama",
+    "conv net (ResNet-50, 224x224)": "resnet",
+    "ViT-B/16 (224x224)": "vit",
+    "encoder-decoder (T5-small, seq 256)": "t5",
 }
 QUICK = ["causal LM (Llama 8x1024 GQA, seq 512)", "conv net (ResNet-50, 224x224)"]
 
 
 def builder(case: str):
-    """batch -> step: the model, AdamW and one batch built on the current default device."""
-    import torch
-    import transformers as T
+    """batch -> step: the model, AdamW and one batch built on the current default device
+    (predict_vs_gpu's Hugging Face builders)."""
+    from predict_vs_gpu import hf_builder
 
-    name, kind, seq = CASES[case]
-    configs = {
-        "llama": lambda: (T.LlamaForCausalLM, T.LlamaConfig(hidden_size=1024, intermediate_size=2816,
-                                                             num_hidden_layers=8, num_attention_heads=16,
-                                                             num_key_value_heads=4, vocab_size=32000)),
-        "resnet": lambda: (T.ResNetForImageClassification, T.ResNetConfig()),
-        "vit": lambda: (T.ViTForImageClassification, T.ViTConfig()),
-        "t5": lambda: (T.T5ForConditionalGeneration, T.T5Config.from_dict({
-            "d_model": 512, "d_ff": 2048, "num_layers": 6, "num_heads": 8, "vocab_size": 32128,
-            "decoder_start_token_id": 0, "pad_token_id": 0})),
-    }
-    cls, cfg = configs[name]()
-
-    def build(batch: int):
-        torch.manual_seed(0)
-        model = cls(cfg)
-        model.train()
-        opt = torch.optim.AdamW(model.parameters())
-        if kind == "image":
-            x, y = torch.randn(batch, 3, 224, 224), torch.randint(0, 2, (batch,))
-            call = lambda: model(pixel_values=x, labels=y)  # noqa: E731
-        elif kind == "seq2seq":
-            ids = torch.randint(1, cfg.vocab_size, (batch, seq))
-            call = lambda: model(input_ids=ids, labels=ids)  # noqa: E731
-        else:
-            ids = torch.randint(0, cfg.vocab_size, (batch, seq))
-            call = lambda: model(input_ids=ids, labels=ids, use_cache=False)  # noqa: E731
-
-        def step() -> None:
-            call().loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        return step
-
-    return build
+    name = CASES[case]
+    return lambda batch: hf_builder(name, batch, False)()
 
 
 def predicted(case: str, target, max_batch_size: int) -> tuple[int, float, int]:
@@ -178,18 +144,10 @@ def main() -> int:
         print(json.dumps(run_case(args.case, args.cap, args.max_batch_size)))
         return 0
     os.makedirs(args.out, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(REPO, "python"),
-                                                                    os.environ.get("PYTHONPATH")])))
-    results = []
-    for case in cases:
-        r = subprocess.run([sys.executable, __file__, "--case", case, "--cap", str(args.cap), "--max-batch-size",
-                            str(args.max_batch_size)], capture_output=True, text=True, env=env, timeout=300)
-        if r.returncode != 0:
-            results.append({"case": case, "error": r.stderr[-3000:]})
-            print(f"{case}: FAILED\n{r.stderr[-3000:]}", file=sys.stderr, flush=True)
-            continue
-        results.append(json.loads(r.stdout.strip().splitlines()[-1]))
-        print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    from children import run_children
+
+    results = run_children(__file__, cases, ["--cap", str(args.cap), "--max-batch-size", str(args.max_batch_size)],
+                           timeout=300)
     with open(os.path.join(args.out, "fit_boundary.json"), "w") as f:
         json.dump(results, f, indent=1)
     print("\n".join(table(results)))

@@ -44,6 +44,9 @@ def hf_builder(name: str, batch: int, amp: bool):
                                                               num_key_value_heads=4, vocab_size=32000), "lm", 512),
         "vit": (T.ViTForImageClassification, T.ViTConfig, "image", 0),
         "resnet": (T.ResNetForImageClassification, T.ResNetConfig, "image", 0),
+        "t5": (T.T5ForConditionalGeneration, lambda: T.T5Config(d_model=512, d_ff=2048, num_layers=6, num_heads=8,
+                                                                vocab_size=32128, decoder_start_token_id=0,
+                                                                pad_token_id=0), "seq2seq", 256),
     }
     cls, make_cfg, kind, seq = configs[name]
     cfg = make_cfg()
@@ -170,22 +173,13 @@ def main() -> int:
     if args.context:
         print(json.dumps(context_figure()))
         return 0
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(REPO, "python"),
-                                                                    os.environ.get("PYTHONPATH")])))
-    results = []
+    from children import child_env, run_children
+
     ctx = subprocess.run([sys.executable, __file__, "--context", "--out", args.out], capture_output=True, text=True,
-                         env=env, timeout=120)
+                         env=child_env(), timeout=120)
     context = json.loads(ctx.stdout.strip().splitlines()[-1]) if ctx.returncode == 0 else {"error": ctx.stderr[-2000:]}
     print("context:", json.dumps(context), file=sys.stderr, flush=True)
-    for case in (QUICK if args.quick else CASES):
-        r = subprocess.run([sys.executable, __file__, "--case", case, "--out", args.out], capture_output=True,
-                           text=True, env=env, timeout=300)
-        if r.returncode != 0:
-            results.append({"case": case, "error": r.stderr[-3000:]})
-            print(f"{case}: FAILED\n{r.stderr[-3000:]}", file=sys.stderr, flush=True)
-            continue
-        results.append(json.loads(r.stdout.strip().splitlines()[-1]))
-        print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    results = run_children(__file__, QUICK if args.quick else list(CASES), ["--out", args.out], timeout=300)
     with open(os.path.join(args.out, "predict_vs_gpu.json"), "w") as f:
         json.dump({"context": context, "cases": results}, f, indent=1)
     gib = 2.0 ** 30

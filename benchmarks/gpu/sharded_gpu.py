@@ -18,7 +18,6 @@ import argparse
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -129,18 +128,9 @@ def main() -> int:
     if args.case:
         print(json.dumps(run_case(args.case, args.out)))
         return 0
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(REPO, "python"),
-                                                                    os.environ.get("PYTHONPATH")])))
-    results = []
-    for case in CASES:
-        r = subprocess.run([sys.executable, __file__, "--case", case, "--out", args.out], capture_output=True,
-                           text=True, env=env, timeout=240)
-        if r.returncode != 0:
-            results.append({"case": case, "error": r.stderr[-3000:]})
-            print(f"{case}: FAILED\n{r.stderr[-3000:]}", file=sys.stderr, flush=True)
-            continue
-        results.append(json.loads(r.stdout.strip().splitlines()[-1]))
-        print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    from children import run_children
+
+    results = run_children(__file__, list(CASES), ["--out", args.out], timeout=240)
     with open(os.path.join(args.out, "sharded_gpu.json"), "w") as f:
         json.dump(results, f, indent=1)
     gib = 2.0 ** 30

@@ -226,3 +226,22 @@ def test_gpu_fit_boundary_dry_run_and_its_verdicts():
     assert "| a | 6 | 40 | 39 | 0.975 | yes |" in lines[2] and "| NO |" in lines[3]
     assert mod.failed(made_up) == ["b"]
     assert mod.failed([dict(made_up[0], fit_largest=38)]) == ["a"]  # 0.95 of the real largest
+
+
+def test_gpu_benchmarks_run_each_case_in_a_child(tmp_path):
+    """benchmarks/gpu/children.py, which predict_vs_gpu, sharded_gpu and fit_boundary share: a
+    case's last stdout line is its result; a child that fails is named with its error."""
+    gpu_dir = os.path.join(REPO, "benchmarks", "gpu")
+    if not os.path.exists(os.path.join(gpu_dir, "children.py")):
+        pytest.skip("benchmarks/ is not part of this installation")
+    sys.path.insert(0, gpu_dir)
+    try:
+        import children
+    finally:
+        sys.path.remove(gpu_dir)
+    script = tmp_path / "case.py"
+    script.write_text("import json, sys\ncase = sys.argv[2]\nif case == 'bad':\n    raise SystemExit('no GPU here')\n"
+                      "print('noise')\nprint(json.dumps({'case': case, 'extra': sys.argv[3:]}))\n")
+    results = children.run_children(str(script), ["good", "bad"], ["--out", "x"], timeout=60)
+    assert results[0] == {"case": "good", "extra": ["--out", "x"]}
+    assert results[1]["case"] == "bad" and "no GPU here" in results[1]["error"]

@@ -342,7 +342,7 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
             for ref in rec.optimizers if (o := ref()) is not None for g in getattr(o, "param_groups", ()))
         if dev.type == "meta":
             info["cuda_choices"] = {"dropout": cuda.dropout, "optimizer": cuda.optimizer, "attention": cuda.attention,
-                                    "nccl": cuda.nccl, "workspaces": cuda.workspaces,
+                                    "nccl": cuda.nccl, "workspaces": cuda.workspaces, "rms_norm": cuda.rms_norm,
                                     "arch": f"{cuda.arch[0]}.{cuda.arch[1]}"}
             if mode.workspaces is not None and mode.workspaces.count:
                 info["estimated_bytes"] = mode.workspaces.describe()

@@ -34,6 +34,9 @@ equals a CPU capture event for event.
   meta, the temporaries their CUDA kernels make (``sdpa_backward_cuda``: a contiguous copy of
   grad_out, float32 accumulators and workspaces).
 
+* ``rms_norm``: ``nn.RMSNorm``/``F.rms_norm`` reach ``_fused_rms_norm``, one kernel with its own
+  backward on CUDA and a decomposition (float32 copy, pow, mean, rsqrt, two products, each saved)
+  elsewhere: on meta it runs as the kernel does (``rms_norm_cuda``).
 * ``nccl``: a bucket DDP all-reduces (``capture_step._buckets``) is held, at its free, until
   DDP's next all-reduce starts or the step ends (``Recorder.hold``). At the bucket rebuild of
   DDP's second step the old buckets are freed in its forward; on a GPU they lived on beside the
@@ -62,6 +65,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..target.dispatch import CudaChoices
+from .rms_norm_cuda import fused_rms_norm
 from .sdpa_backward_cuda import register as register_attention_backward
 from .sdpa_rules import Backend, cuda_backend
 
@@ -209,6 +213,8 @@ def install(choices: CudaChoices | None, device: str) -> Iterator[None]:
             register_attention_backward(lib, meta_cuda.arch)
         if meta_cuda is not None and meta_cuda.dropout:
             lib.impl("dropout", _dropout, "AutogradMeta")
+        if meta_cuda is not None and meta_cuda.rms_norm:
+            lib.impl("_fused_rms_norm", fused_rms_norm, "AutogradMeta")
         if device == "meta":
             # fused=True is the step's own choice, not a default: on meta it runs whatever the
             # choices, with a no-op meta kernel (they write in place, allocate nothing) for each

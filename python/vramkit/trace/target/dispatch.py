@@ -1,6 +1,6 @@
 """``CudaChoices``: the dispatch choices a CUDA run on the target GPU makes and a meta run would
 make differently (dropout's mask, the optimizer's foreach implementation, the attention
-backend, how long NCCL holds DDP's buckets, cuDNN's convolution workspaces), and the architecture
+backend, how long NCCL holds DDP's buckets, cuDNN's convolution workspaces, RMSNorm's fused kernel), and the architecture
 they depend on.
 
 Plain data, without torch: a ``Target`` carries them (``Target.cuda_choices()``), and
@@ -23,6 +23,7 @@ class CudaChoices:
     optimizer: bool = True
     attention: bool = True
     workspaces: bool = True  # cuDNN's convolution workspaces, modelled (capturing/conv_workspaces.py)
+    rms_norm: bool = True  # RMSNorm as CUDA's fused kernel runs it (capturing/rms_norm_cuda.py)
     arch: tuple[int, int] = (9, 0)  # compute capability of the target GPU (H100: 9.0)
     # A bucket DDP all-reduced is held, at its free, until DDP's next all-reduce starts (or the
     # step ends). At DDP's bucket rebuild (the second step's forward) the old buckets then live
@@ -36,10 +37,10 @@ class CudaChoices:
     @classmethod
     def off(cls) -> "CudaChoices":
         """Meta as the CPU: a meta capture then equals a CPU capture event for event."""
-        return cls(dropout=False, optimizer=False, attention=False, nccl=False, workspaces=False)
+        return cls(dropout=False, optimizer=False, attention=False, nccl=False, workspaces=False, rms_norm=False)
 
     def __post_init__(self) -> None:
-        for name in ("dropout", "optimizer", "attention", "nccl", "workspaces"):
+        for name in ("dropout", "optimizer", "attention", "nccl", "workspaces", "rms_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"CudaChoices.{name} must be True or False, got {getattr(self, name)!r}")
         arch = self.arch
