@@ -463,3 +463,29 @@ def test_even_shards_capture_rank_0_only_and_every_rank_is_the_same():
     assert sorted(ddp.predictions) == [0]
     last = predict_ranks(ddp_build, 4, world_size=4, gpu="1GiB", overheads=vt.NO_OVERHEADS, ranks=[3])
     _assert_same_events(ddp.traces[0], last.traces[3])
+
+
+def test_the_first_capture_in_a_process_is_the_same_as_the_next():
+    """The first capture of a process imports torch._dynamo lazily (at the first
+    torch._disable_dynamo call, here in FSDP2's setup), whose import leaves frame cycles; with
+    the collector off they held the builder's locals (DDP's parameters that FSDP2 replaced,
+    385 KB here) through the steps. The setup's garbage is collected before the steps now."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = ("import sys; sys.path[:0] = [%r, %r]\n"
+            "import test_trace_sharding_changes as t, sharded_models as sm\n"
+            "from peaks import total_peak\n"
+            "from vramkit.trace.sharding.sharding_changes import ShardingChange\n"
+            "print([total_peak(t.capture(sm.builder('gpt', 'ddp'), sharding=ShardingChange(fsdp=True))) "
+            "for _ in range(2)])\n") % (here, os.path.dirname(here))  # (a fresh process: its first capture)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.join(os.path.dirname(os.path.dirname(here)), "python"),
+                                                    env.get("PYTHONPATH")] if p)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, second = json.loads(out.stdout.strip().splitlines()[-1])
+    assert first == second

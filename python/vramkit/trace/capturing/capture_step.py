@@ -297,6 +297,12 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
                     first = _call(step_fn, args, kwargs)
                     if callable(first) and not isinstance(first, (torch.Tensor, nn.Module)):
                         # A builder: what it made is the setup; the callable it returned is the step.
+                        # Garbage the setup left in reference cycles goes first, as a real run's
+                        # collector takes it long before its first step: a lazy import during the
+                        # build (torch._dynamo, at the first torch._disable_dynamo call) leaves
+                        # frame cycles that held the builder's locals (a DDP model's parameters
+                        # that FSDP2 replaced) through the steps of a process's first capture.
+                        gc.collect()
                         _refile_as_setup(rec)
                         step, form, left = first, "builder", steps
                         rec.step = -1
