@@ -482,8 +482,10 @@ def test_the_first_capture_in_a_process_is_the_same_as_the_next():
             "from vramkit.trace.sharding.sharding_changes import ShardingChange\n"
             "print([total_peak(t.capture(sm.builder('gpt', 'ddp'), sharding=ShardingChange(fsdp=True))) "
             "for _ in range(2)])\n") % (here, os.path.dirname(here))  # (a fresh process: its first capture)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.join(os.path.dirname(os.path.dirname(here)), "python"),
+    import vramkit
+
+    env = dict(os.environ)  # (the child imports the vramkit this process runs: installed, or built in place)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(vramkit.__file__)),
                                                     env.get("PYTHONPATH")] if p)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
