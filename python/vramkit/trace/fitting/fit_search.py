@@ -403,8 +403,8 @@ def fit(build: Callable[..., Any], gpu: GpuSpec, *, batch_size: int | None = Non
             probes[bs] = p
     report.probes = [probes[bs] for bs in sorted(probes)]
     as_written = searching.config(capture_options)
-    report.traces = {bs: trace for t in (searching, exact) for bs, (trace, _) in t.config(capture_options).traces.items()}
-    report.traces = dict(sorted(report.traces.items()))
+    by_size = {bs: trace for t in (searching, exact) for bs, (trace, _) in t.config(capture_options).traces.items()}
+    report.traces = dict(sorted(by_size.items()))  # (a static capture's trace over the search's)
     report.captures = searching.captures + exact.captures
     report.fallbacks, report.derivation = searching.fallbacks + exact.fallbacks, as_written.note()
     return report
