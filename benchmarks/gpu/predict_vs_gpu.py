@@ -32,7 +32,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 
 
-def hf_builder(name: str, batch: int, amp: bool):
+def hf_builder(name: str, batch: int, amp: bool, compile_mode: str | None = None):
+    """batch's training step (AdamW) of a Hugging Face model built from its config; with
+    `compile_mode`, the model is ``torch.compile(model, mode=compile_mode)``d ("default" for none)."""
     import torch
     import transformers as T
 
@@ -47,6 +49,11 @@ def hf_builder(name: str, batch: int, amp: bool):
         "t5": (T.T5ForConditionalGeneration, lambda: T.T5Config(d_model=512, d_ff=2048, num_layers=6, num_heads=8,
                                                                 vocab_size=32128, decoder_start_token_id=0,
                                                                 pad_token_id=0), "seq2seq", 256),
+        # the shape of Qwen2-0.5B (issue 33's 0.5B causal LM)
+        "qwen2-0.5b": (T.Qwen2ForCausalLM, lambda: T.Qwen2Config(hidden_size=896, intermediate_size=4864,
+                                                                 num_hidden_layers=24, num_attention_heads=14,
+                                                                 num_key_value_heads=2, vocab_size=151936,
+                                                                 tie_word_embeddings=True), "lm", 1024),
     }
     cls, make_cfg, kind, seq = configs[name]
     cfg = make_cfg()
@@ -56,6 +63,8 @@ def hf_builder(name: str, batch: int, amp: bool):
         model = cls(cfg)
         model.train()
         opt = torch.optim.AdamW(model.parameters())
+        if compile_mode is not None:
+            model = torch.compile(model, mode=None if compile_mode == "default" else compile_mode)
         if kind == "image":
             x, y = torch.randn(batch, 3, 224, 224), torch.randint(0, 2, (batch,))
             call = lambda: model(pixel_values=x, labels=y)  # noqa: E731
@@ -97,12 +106,22 @@ CASES = {
     "gpt_fit 1.3B x2 fp32": ("gpt", ("vramkit_step", 2)),
     "gpt_fit 1.3B x4 bf16 autocast": ("gpt", ("vramkit_step_amp", 4)),
     "gpt_fit 1.3B x8 checkpointed": ("gpt", ("vramkit_step_checkpointed", 8)),
+    "T5-small x8 seq256": ("hf", ("t5", 8, False)),
+}
+# torch.compile'd steps (issue 33): not in the default list (each compiles twice: for the GPU, and
+# for the capture on meta); run with --cases.
+COMPILED = {
+    "Llama 8x1024 GQA x4 seq512 bf16 autocast, compiled": ("hf", ("llama", 4, True, "default")),
+    "GPT-2 124M x4 seq512, compiled": ("hf", ("gpt2", 4, False, "default")),
+    "Qwen2-0.5B x8 seq1024 bf16 autocast": ("hf", ("qwen2-0.5b", 8, True)),
+    "Qwen2-0.5B x8 seq1024 bf16 autocast, compiled": ("hf", ("qwen2-0.5b", 8, True, "default")),
+    "Llama 8x1024 GQA x4 seq512 bf16 autocast, reduce-overhead": ("hf", ("llama", 4, True, "reduce-overhead")),
 }
 QUICK = ["GPT-2 124M x4 seq512", "Llama 8x1024 GQA x4 seq512 bf16 autocast", "gpt_fit 1.3B x2 fp32"]
 
 
 def builder_for(case: str):
-    kind, args = CASES[case]
+    kind, args = {**CASES, **COMPILED}[case]
     return hf_builder(*args) if kind == "hf" else gpt_builder(*args)
 
 
@@ -128,6 +147,8 @@ def run_case(case: str, out: str) -> dict:
     torch.cuda.memory._dump_snapshot(os.path.join(out, f"{safe}.pickle"))
     torch.cuda.memory._record_memory_history(None)
     del step
+    if "compiled" in case or "reduce-overhead" in case:
+        torch._dynamo.reset()  # the capture compiles afresh, for meta
     t0 = time.perf_counter()
     profile = vt.gpu_profile("current")
     trace = vt.capture(build, device="meta", steps=2, cuda=profile.cuda_choices())
@@ -135,7 +156,8 @@ def run_case(case: str, out: str) -> dict:
     capture_s = time.perf_counter() - t0
     return {"case": case, "measured_allocated": measured_alloc, "measured_reserved": measured_res,
             "predicted_allocated": pred.peak_allocated, "predicted_reserved": pred.peak_reserved,
-            "predicted_by_category": pred.by_category, "overheads": [list(i) for i in pred.overheads.items()],
+            "predicted_by_category": pred.by_category, "compiled_regions": trace.meta.get("compiled_regions"),
+            "estimated_at_peak": getattr(pred, "estimated_at_peak", None), "overheads": [list(i) for i in pred.overheads.items()],
             "num_alloc_retries": stats.get("num_alloc_retries"), "num_ooms": stats.get("num_ooms"),
             "real_s": real_s, "capture_s": capture_s, "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name()}
@@ -163,12 +185,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu-results"))
+    parser.add_argument("--cases", help="case names separated by semicolons (default: all of the eager cases)")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--context", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.case:
-        print(json.dumps(run_case(args.case, args.out)))
+        print(json.dumps(run_case(args.case, args.out), default=str))
         return 0
     if args.context:
         print(json.dumps(context_figure()))
@@ -179,7 +202,11 @@ def main() -> int:
                          env=child_env(), timeout=120)
     context = json.loads(ctx.stdout.strip().splitlines()[-1]) if ctx.returncode == 0 else {"error": ctx.stderr[-2000:]}
     print("context:", json.dumps(context), file=sys.stderr, flush=True)
-    results = run_children(__file__, QUICK if args.quick else list(CASES), ["--out", args.out], timeout=300)
+    cases = args.cases.split(";") if args.cases else QUICK if args.quick else list(CASES)
+    unknown = [c for c in cases if c not in CASES and c not in COMPILED]
+    if unknown:
+        parser.error(f"unknown cases {unknown}; known: {list(CASES) + list(COMPILED)}")
+    results = run_children(__file__, cases, ["--out", args.out], timeout=600)
     with open(os.path.join(args.out, "predict_vs_gpu.json"), "w") as f:
         json.dump({"context": context, "cases": results}, f, indent=1)
     gib = 2.0 ** 30

@@ -282,7 +282,8 @@ def saved_by(t: vt.Trace, op: str) -> list[tuple[str, int]]:
 
 
 def test_flash_on_an_h100_allocates_the_output_and_a_float32_row_per_query():
-    t = vt.capture(attention_builder(torch.bfloat16), device="meta", steps=1, cuda=CudaChoices(arch=H100))
+    # cuDNN 9.10 (torch's CUDA 12 wheels): flash first (above 9.15.0 cuDNN's attention is)
+    t = vt.capture(attention_builder(torch.bfloat16), device="meta", steps=1, cuda=CudaChoices(arch=H100, cudnn=91000))
     b, h, L, d = 2, 4, 64, 32
     assert saved_by(t, "aten::_scaled_dot_product_flash_attention") == sorted(
         [("bfloat16", b * h * L * d * 2), ("float32", b * h * L * 4), ("uint64", 2 * 8), ("uint64", 8)])

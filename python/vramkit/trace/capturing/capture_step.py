@@ -349,7 +349,7 @@ def capture(step_fn: Callable[..., Any], *args: Any, device: Any = "meta", steps
         if dev.type == "meta":
             info["cuda_choices"] = {"dropout": cuda.dropout, "optimizer": cuda.optimizer, "attention": cuda.attention,
                                     "nccl": cuda.nccl, "workspaces": cuda.workspaces, "rms_norm": cuda.rms_norm,
-                                    "arch": f"{cuda.arch[0]}.{cuda.arch[1]}"}
+                                    "arch": f"{cuda.arch[0]}.{cuda.arch[1]}", "cudnn": cuda.cudnn}
             if mode.workspaces is not None and mode.workspaces.count:
                 info["estimated_bytes"] = mode.workspaces.describe()
         return to_trace(rec, info)

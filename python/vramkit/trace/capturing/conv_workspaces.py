@@ -1,4 +1,5 @@
-"""cuDNN convolution workspaces in a meta capture (``CudaChoices.workspaces``).
+"""cuDNN's workspaces in a meta capture (``CudaChoices.workspaces``): convolutions' here, and
+attention backward's (``cudnn_attention``) through the same handler.
 
 On a GPU each convolution runs through cuDNN, which asks for a workspace; PyTorch takes it from
 the caching allocator (``Conv_v8.cpp``'s ``run_conv_plan``: ``at::empty({workspace_size},
@@ -53,7 +54,9 @@ import os
 from typing import Any, Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
+from . import cudnn_attention
 from .recorder import CATEGORY_INDEX, Recorder, storage_of
 
 __all__ = ["ESTIMATE", "ConvWorkspaces", "OP_NAME", "workspace_bytes"]
@@ -123,18 +126,25 @@ class ConvWorkspaces:
     `run_op` (the mode's own recording) and records the workspaces around it, a backward split
     into its backward-data, backward-weight and bias parts in the order cuDNN's path runs them."""
 
-    ops = (_FORWARD, _BACKWARD)
+    ops = (_FORWARD, _BACKWARD, cudnn_attention.BACKWARD)
 
     def __init__(self, rec: Recorder, arch: tuple[int, int]) -> None:
         self.rec = rec
         self.arch = arch
         self.count = 0  # workspaces recorded
+        self.attention_count = 0  # of them, cuDNN attention backward's
 
     def run(self, run_op: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any], func: Any,
             args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         bound = func._schema  # (argument names, to read positional or keyword arguments alike)
         params = {a.name: (args[i] if i < len(args) else kwargs.get(a.name, a.default_value))
                   for i, a in enumerate(bound.arguments)}
+        if func is cudnn_attention.BACKWARD:
+            grads = run_op(func, args, kwargs)
+            if not any(isinstance(t, FakeTensor) for t in args[1:4]):  # (compiled regions choose their own)
+                self.allocate_and_free(cudnn_attention.backward_workspace_bytes(*args[1:4]), cudnn_attention.OP_NAME)
+                self.attention_count += 1
+            return grads
         if func is _FORWARD:
             out = run_op(func, args, kwargs)
             self._conv_workspace("forward", params["input"], params["weight"], out, params)
@@ -166,13 +176,13 @@ class ConvWorkspaces:
         if n:
             self.allocate_and_free(n)
 
-    def allocate_and_free(self, n: int) -> None:
+    def allocate_and_free(self, n: int, op_name: str = OP_NAME) -> None:
         """One workspace of `n` bytes, allocated and freed at once (the mode is off here, so the
         recorder is told directly; the storage's finalizer records the free)."""
         t = torch.empty(n, dtype=torch.uint8, device="meta")
         st = storage_of(t)
         assert st is not None
-        i = self.rec.new_storage(st, torch.uint8, OP_NAME)
+        i = self.rec.new_storage(st, torch.uint8, op_name)
         self.rec.category[i] = CATEGORY_INDEX["workspace"]
         self.count += 1
         del t, st
@@ -180,4 +190,7 @@ class ConvWorkspaces:
     def describe(self) -> dict[str, Any]:
         """What ``trace.meta["estimated_bytes"]`` says of them."""
         # (the same at every batch size: derived traces need meta equal but for the batch size)
-        return {"cudnn_workspaces": ESTIMATE}
+        described = {"cudnn_workspaces": ESTIMATE} if self.count > self.attention_count else {}
+        if self.attention_count:
+            described["cudnn_attention_workspaces"] = cudnn_attention.ESTIMATE
+        return described

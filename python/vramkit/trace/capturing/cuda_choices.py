@@ -25,7 +25,8 @@ equals a CPU capture event for event.
 * ``attention``: ``scaled_dot_product_attention`` on meta has no backend to choose and runs
   the math path (an L x S attention matrix). On CUDA, ``sdp_utils.cpp`` chooses flash,
   memory-efficient, cuDNN or math by dtype, head size, mask, GQA and the GPU's architecture:
-  ``sdpa_rules`` follows those rules for ``arch`` and calls the chosen backend's own op, whose
+  ``sdpa_rules`` follows those rules for ``arch`` and ``cudnn`` (torch prefers cuDNN's attention
+  on sm90/sm10x with cuDNN above 9.15) and calls the chosen backend's own op, whose
   meta kernel allocates what the CUDA kernel returns (flash: the output and a float32
   log-sum-exp row per query; memory-efficient: the same, rows padded to 32; math: the
   attention matrix, in float32 for fp16/bf16 inputs). With ``attention`` off, torch's own CPU
@@ -146,7 +147,7 @@ def make_attention(choices: CudaChoices | None) -> Any:
         if on_cuda:
             assert choices is not None
             backend = cuda_backend(query, key, value, mask, dropout_p, is_causal, enable_gqa, choices.arch,
-                                   grad=torch.is_grad_enabled())
+                                   grad=torch.is_grad_enabled(), cudnn=choices.cudnn)
         else:
             backend = _cpu_backend(query, key, value, mask, dropout_p, is_causal, scale, enable_gqa)
         out: torch.Tensor

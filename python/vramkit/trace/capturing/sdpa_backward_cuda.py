@@ -34,8 +34,8 @@ float32 (with deterministic algorithms, ``nsplits`` zeroed copies), and for grou
 attention dk/dv expanded to every query head; freed in reverse.
 
 cuDNN (``run_cudnn_SDP_bprop``, cuDNN >= 9.5.1): dq, dk, dv, then grad_out re-laid out as out
-when its last dimension is not contiguous. cuDNN's own workspace comes from its execution plan
-and is not modelled.
+when its last dimension is not contiguous, then the plan's workspace (``cudnn_attention``,
+recorded by the capture's workspace handler with CudaChoices.workspaces on), all live together.
 """
 
 from __future__ import annotations
@@ -222,11 +222,13 @@ def _cudnn(original: Callable[..., Any]) -> Callable[..., Any]:
                  max_q: int, max_k: int, dropout_p: float, is_causal: bool, scale: float | None = None) -> Any:
         args = (grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q,
                 cum_seq_k, max_q, max_k, dropout_p, is_causal)
+        relaid = None
+        if grad_out is not None and not _fake(query) and cum_seq_q is None and grad_out.stride(-1) != 1:
+            # permute_to_matching_layout(o, dO): grad_out copied into out's memory layout (made
+            # here, before the gradients, so that it lives beside them and the workspace, as in
+            # the kernel, which re-lays it out after allocating them)
+            relaid = torch.empty_like(out).copy_(grad_out)
         grads = _below_autograd(original, args, scale)
-        if grad_out is None or _fake(query) or cum_seq_q is not None or grad_out.stride(-1) == 1:
-            return grads
-        # permute_to_matching_layout(o, dO): grad_out copied into out's memory layout
-        relaid = torch.empty_like(out).copy_(grad_out)
         del relaid
         return grads
 

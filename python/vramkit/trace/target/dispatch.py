@@ -12,7 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CudaChoices"]
+__all__ = ["CudaChoices", "DEFAULT_CUDNN"]
+
+# The cuDNN that torch's CUDA 13.0 wheels of 2.11 load (torch.backends.cudnn.version(), seen on an
+# H100 and an H200): what a named profile assumes. It decides whether torch prefers cuDNN's
+# attention (above 9.15.0 on sm90/sm10x) and cuDNN's head-size limits.
+DEFAULT_CUDNN = 91900
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,11 @@ class CudaChoices:
     # than without), and plain DDP its first run's 34.03 GiB; a second run measured 32.13, the
     # hold being a race with NCCL's watchdog thread. The safe side is taken.
     nccl: bool = True
+    # The cuDNN version torch runs on the target (torch.backends.cudnn.version(), e.g. 91900 for
+    # 9.19.0), None for none. With cuDNN above 9.15.0 on sm90/sm10x torch tries cuDNN's attention
+    # before flash and memory-efficient (sdp_utils.cpp check_prefer_cudnn_attention) unless
+    # TORCH_CUDNN_SDPA_DEPRIORITIZED is set; seen on an H200 with torch 2.11 and cuDNN 9.19.
+    cudnn: int | None = DEFAULT_CUDNN
 
     @classmethod
     def off(cls) -> "CudaChoices":
@@ -47,3 +57,7 @@ class CudaChoices:
         if (not isinstance(arch, tuple) or len(arch) != 2 or not all(isinstance(v, int) and 0 <= v < 100 for v in arch)):
             raise ValueError(f"CudaChoices.arch must be a compute capability (major, minor), e.g. (9, 0) for an "
                              f"H100 or (8, 0) for an A100, got {arch!r}")
+        cudnn = self.cudnn
+        if cudnn is not None and (isinstance(cudnn, bool) or not isinstance(cudnn, int) or not 0 < cudnn < 10**6):
+            raise ValueError(f"CudaChoices.cudnn must be a cuDNN version as torch.backends.cudnn.version() gives it "
+                             f"(e.g. 91900 for 9.19.0) or None for no cuDNN, got {cudnn!r}")

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from ..._core.sizes import GiB, MiB, format_size, parse_size
-from .dispatch import CudaChoices
+from .dispatch import DEFAULT_CUDNN, CudaChoices
 
 if TYPE_CHECKING:
     from ..formats.file_format import Trace
@@ -125,6 +125,7 @@ class GpuProfile:
     compute_capability: tuple[int, int]
     cuda_context: int = 512 * MiB
     source: str = ""  # where capacity comes from
+    cudnn: int | None = DEFAULT_CUDNN  # the cuDNN torch runs there (torch.backends.cudnn.version())
 
     @property
     def bf16(self) -> bool:
@@ -155,7 +156,7 @@ class GpuProfile:
 
     def cuda_choices(self) -> CudaChoices:
         """The dispatch choices a capture for this GPU makes (its architecture)."""
-        return CudaChoices(arch=self.compute_capability)
+        return CudaChoices(arch=self.compute_capability, cudnn=self.cudnn)
 
     def describe(self) -> str:
         cc = ".".join(map(str, self.compute_capability))
@@ -186,7 +187,7 @@ def _current(spelling: Spelling) -> GpuProfile:
                           f"name a profile instead: {', '.join(PROFILES)}")
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     return GpuProfile(f"current ({props.name})", int(props.total_memory), (int(props.major), int(props.minor)),
-                      source="torch.cuda.get_device_properties on this machine")
+                      source="torch.cuda.get_device_properties on this machine", cudnn=torch.backends.cudnn.version())
 
 
 def gpu_profile(name: str | GpuProfile, spelling: Spelling = PYTHON) -> GpuProfile:
@@ -255,6 +256,7 @@ class Target:
     arch: tuple[int, int] | None = None
     alloc_conf: str | None = None
     given: frozenset[str] = frozenset()
+    cudnn: int | None = DEFAULT_CUDNN  # the cuDNN torch runs on the target (CudaChoices.cudnn)
 
     @property
     def usable(self) -> int:
@@ -268,7 +270,7 @@ class Target:
 
     def cuda_choices(self) -> CudaChoices:
         """The dispatch choices a meta capture for this GPU makes."""
-        return CudaChoices() if self.arch is None else CudaChoices(arch=self.arch)
+        return CudaChoices(cudnn=self.cudnn) if self.arch is None else CudaChoices(arch=self.arch, cudnn=self.cudnn)
 
     def with_alloc_conf(self, alloc_conf: AllocConf) -> Target:
         """The same GPU with other allocator options (fit's suggestions try several)."""
@@ -325,7 +327,8 @@ def resolve_target(gpu: GpuSpec | None, *, capacity: str | int | None = None,
         base = Target(format_size(size), size)
     elif isinstance(gpu, (str, GpuProfile)):
         profile = gpu_profile(gpu, spelling)
-        base = Target(profile.name, profile.capacity, profile.overheads(), profile.compute_capability)
+        base = Target(profile.name, profile.capacity, profile.overheads(), profile.compute_capability,
+                      cudnn=profile.cudnn)
     else:
         raise TargetError(f"gpu must be a profile name, 'current', a GpuProfile, a Target or the GPU's memory (bytes, "
                           f"or a string like '24GiB'), got {type(gpu).__name__}")
