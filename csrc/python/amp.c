@@ -1,7 +1,8 @@
 /* amp.c — bindings of the loss-scaling kernels. The Python layer (vramkit/amp.py and
  * vramkit/_arrays.py) turns NumPy arrays, torch tensors, CuPy arrays and vramkit buffers into
  * (data pointer, numel, dtype code) triples after checking them; this file only converts
- * those triples and calls C with the GIL released. */
+ * those triples (or takes the spans amp_torch.c walked for plain torch tensors) and calls C
+ * with the GIL released. */
 #include "dlpack.h"
 #include "module.h"
 
@@ -36,6 +37,14 @@ typedef struct tensor_list {
 
 static int list_open(tensor_list_t *l, PyObject *obj) {
     l->items = l->stack;
+    Py_ssize_t strided_count;
+    const vram_tensor_t *spans = vk_amp_spans(obj, &l->count, &strided_count);
+    if (spans) { /* walked in C already (amp_torch.c): used in place, the capsule held meanwhile
+                  * (its strided tensors, if any, run_kernel takes from the capsule itself) */
+        l->items = (vram_tensor_t *)spans;
+        l->seq = Py_NewRef(obj);
+        return 0;
+    }
     l->seq = PySequence_Fast(obj, "tensors must be a sequence of (data_ptr, numel, dtype_code) tuples");
     if (!l->seq) return -1;
     l->count = PySequence_Fast_GET_SIZE(l->seq);
@@ -56,7 +65,7 @@ static int list_open(tensor_list_t *l, PyObject *obj) {
 }
 
 static void list_close(tensor_list_t *l) {
-    if (l->items != l->stack) PyMem_Free(l->items);
+    if (l->items != l->stack && !PyCapsule_CheckExact(l->seq)) PyMem_Free(l->items);
     Py_DECREF(l->seq);
 }
 
@@ -182,10 +191,29 @@ static int run_kernel(PyObject *obj, kernel_call_t *c) {
     tensor_list_t dense;
     strided_list_t strided;
     if ((c->strided ? strided_open(&strided, obj) : list_open(&dense, obj)) < 0) return -1;
+    /* A capsule of amp_torch.c's spans may hold strided CPU tensors besides the dense ones: they
+     * run after them (their layouts were checked in the walk, so they cannot be refused once the
+     * dense ones are written), with their own sum of squares. */
+    Py_ssize_t n_extra = 0;
+    const vram_strided_tensor_t *extra = c->strided ? NULL : vk_amp_strided_spans(obj, &n_extra);
+    if (extra && n_extra && (c->kernel == UNSCALE_CHECK_CUDA || c->kernel == SCALE_INPLACE_CUDA)) {
+        list_close(&dense);
+        PyErr_SetString(PyExc_ValueError, "the CUDA kernels take dense tensors only");
+        return -1;
+    }
     vram_status_t st;
     Py_BEGIN_ALLOW_THREADS
     st = c->strided ? call_strided(c, strided.items, (size_t)strided.count)
                     : call_dense(c, dense.items, (size_t)dense.count);
+    if (st == VRAM_OK && extra && n_extra) {
+        double *dense_sumsq = c->sumsq, extra_sumsq = 0.0;
+        if (dense_sumsq) c->sumsq = &extra_sumsq;
+        st = call_strided(c, extra, (size_t)n_extra);
+        if (dense_sumsq) {
+            *dense_sumsq += extra_sumsq;
+            c->sumsq = dense_sumsq;
+        }
+    }
     Py_END_ALLOW_THREADS
     if (c->strided) strided_close(&strided);
     else list_close(&dense);

@@ -245,3 +245,20 @@ def test_gpu_benchmarks_run_each_case_in_a_child(tmp_path):
     results = children.run_children(str(script), ["good", "bad"], ["--out", "x"], timeout=60)
     assert results[0] == {"case": "good", "extra": ["--out", "x"]}
     assert results[1]["case"] == "bad" and "no GPU here" in results[1]["error"]
+
+
+# ---- benchmarks/amp_host.py: loss scaling's host cost against torch's (issue 35) ----------------
+
+
+def test_amp_host_benchmark_checks_bits_and_times_both_sides():
+    torch = pytest.importorskip("torch")
+    spec = importlib.util.spec_from_file_location("_vramkit_bench_amp_host",
+                                                  os.path.join(REPO, "benchmarks", "amp_host.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for strided in (False, True):
+        bench.check_bits(20, torch.float16, strided, "cpu")  # raises SystemExit on any difference from torch
+        mine, theirs = bench.per_call(20, torch.bfloat16, strided, "cpu", reps=10)
+        assert mine > 0 and theirs > 0
+    mine, theirs = bench.mlp_step_times(3, "cpu", reps=4)
+    assert mine > 0 and theirs > 0

@@ -205,6 +205,28 @@ def describe(obj: Any, i: int, keep: list[Any]) -> Ref:
                     "or __cuda_array_interface__)")
 
 
+_torch_consts: tuple[Any, ...] | None = None  # (torch.Tensor and its four dtypes), for the C walk
+
+
+def torch_spans(arrays: Any) -> tuple[Any, str, int] | None:
+    """The common case walked in C (``_C.amp_torch_spans``, csrc/python/amp_torch.c): a list or
+    tuple of plain, dense torch tensors of the kernels' dtypes, all on one device, none
+    overlapping. Returns (spans, device, dtype bits), where the kernel bindings take ``spans``
+    in place of ``triples``; or None for anything else, which ``describe_all`` then walks (and
+    whose errors it raises)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(arrays, (list, tuple)):
+        return None
+    global _torch_consts
+    if _torch_consts is None:
+        _torch_consts = (torch.Tensor, torch.float32, torch.float16, torch.bfloat16, torch.float64)
+    walked = _C.amp_torch_spans(arrays, _torch_consts)
+    if walked is None:
+        return None
+    spans, index, dtype_bits = walked
+    return spans, "cpu" if index < 0 else f"cuda:{index}", dtype_bits
+
+
 def describe_all(arrays: Any, what: str = "grads") -> tuple[list[Ref], list[Any]]:
     """Refs for a list of arrays, all on one device and not overlapping."""
     if isinstance(arrays, (str, bytes)) or not hasattr(arrays, "__iter__"):

@@ -7,6 +7,7 @@ SIMD path. ``GradScaler`` (``loss_scaling.py``) is built on them; see the packag
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Iterable
 
 import numpy as np
@@ -20,13 +21,15 @@ __all__ = ["get_num_threads", "non_finite_check_and_unscale_", "scale_", "set_nu
            "unscale_and_norm_", "update_scale_"]
 
 
-def _run_unscale(refs: list[_arrays.Ref], inv: Any, ns: Any, found: Any, want_norm: bool, stream: int | None) -> Any:
-    """Unscale one device's refs. CPU: inv is a number, returns (found, sumsq). CUDA: inv, found
-    are device scalars of ``ns``; returns a device float64 sumsq scalar (or None)."""
+def _run_unscale(refs: Any, inv: Any, ns: Any, found: Any, want_norm: bool, stream: int | None) -> Any:
+    """Unscale one device's refs (a list of ``Ref``, or CUDA spans from ``arrays.torch_spans``).
+    CPU: inv is a number, returns (found, sumsq). CUDA: inv, found are device scalars of ``ns``;
+    returns a device float64 sumsq scalar (or None)."""
     if not ns.is_cuda:
         return _cpu_unscale(refs, float(inv), want_norm)
     sumsq = ns.full(0.0, "float64") if want_norm else None
-    _C.amp_unscale_check_cuda(_arrays.triples(refs), ns.ptr(inv), ns.ptr(found), ns.ptr(sumsq) if want_norm else 0,
+    tensors = _arrays.triples(refs) if isinstance(refs, list) else refs
+    _C.amp_unscale_check_cuda(tensors, ns.ptr(inv), ns.ptr(found), ns.ptr(sumsq) if want_norm else 0,
                               stream if stream is not None else ns.stream(), ns.index)
     return sumsq
 
@@ -85,11 +88,11 @@ def scale_(grads: Iterable[Any], factor: float) -> None:
 
 def _scalar_ref(obj: Any, name: str, dtype: str, device: str | None) -> int:
     """Address of a one-element ``dtype`` array (NumPy, torch, CuPy, Buffer) on ``device``."""
-    family = type(obj).__module__.split(".")[0]
-    if family == "torch":
-        if str(obj.dtype) != f"torch.{dtype}" or obj.numel() != 1:
+    if type(obj).__module__.startswith("torch"):  # (checked first and cheaply: once per unscale)
+        if obj.dtype is not getattr(sys.modules["torch"], dtype) or obj.numel() != 1:
             raise TypeError(f"{name} must be a 1-element {dtype} tensor, got {obj.dtype} with {obj.numel()} elements")
-        dev = "cpu" if obj.device.type == "cpu" else f"cuda:{obj.device.index or 0}"
+        index = obj.get_device()
+        dev = "cpu" if index < 0 else f"cuda:{index}"
         ptr: int = obj.data_ptr()
     elif isinstance(obj, np.ndarray):
         if obj.dtype != np.dtype(dtype) or obj.size != 1:
@@ -119,6 +122,18 @@ def non_finite_check_and_unscale_(grads: Iterable[Any], found_inf: Any, inv_scal
     gradient by ``inv_scale`` (a 1-element float32 array on the gradients' device) and set
     ``found_inf`` (same) to 1.0 if any gradient is inf/NaN; it is never reset to 0.
     Asynchronous on CUDA (runs on the current torch/CuPy stream)."""
+    fast = _arrays.torch_spans(grads)
+    if fast is not None:  # plain dense torch tensors on one device, walked in C
+        spans, on, _ = fast
+        found_ptr = _scalar_ref(found_inf, "found_inf", "float32", on)
+        inv_ptr = _scalar_ref(inv_scale, "inv_scale", "float32", on)
+        if on == "cpu":
+            if _C.amp_unscale_check(spans, host_float(inv_ptr), False)[0]:
+                set_host_float(found_ptr, 1.0)
+        else:
+            ns = scalars_for(on, "torch")
+            _C.amp_unscale_check_cuda(spans, inv_ptr, found_ptr, 0, ns.stream(), ns.index)
+        return
     refs, keep = _arrays.describe_all(grads)
     device = refs[0].device if refs else None
     found_ptr = _scalar_ref(found_inf, "found_inf", "float32", device)

@@ -144,6 +144,18 @@ class GradScaler:
                        checks: list[Any] | None = None) -> tuple[dict[str, Any], list[tuple[Any, Any]]]:
         """Unscale grouped by device; returns ({device: found_inf}, [(ns, sumsq) per device]).
         ``checks`` are arrays only tested for inf/NaN (coalesced copies of sparse gradients)."""
+        fast = None if checks else _arrays.torch_spans(grads)
+        if fast is not None:  # plain dense torch tensors on one device, walked in C
+            spans, device, dtype_bits = fast
+            if dtype_bits & (1 << _arrays.BFLOAT16):
+                self._warn_bf16()
+            ns = self._ns if device == self._ns.device else scalars_for(device, "torch")
+            inv = inv_scale if ns is self._ns else _move(inv_scale, self._ns, ns)
+            if not ns.is_cuda:
+                found_host, sumsq = _C.amp_unscale_check(spans, float(inv), want_norm)
+                return {device: ns.full(1.0 if found_host else 0.0, "float32")}, [(ns, sumsq)]
+            found = ns.full(0.0, "float32")
+            return {device: found}, [(ns, _run_unscale(spans, inv, ns, found, want_norm, None))]
         refs, keep = _arrays.describe_mixed(grads)
         by_device: dict[str, list[_arrays.Ref]] = defaultdict(list)
         for r in refs:

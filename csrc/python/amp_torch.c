@@ -1,0 +1,322 @@
+/* amp_torch.c — the loss-scaling kernels' tensor walk for a list of plain torch tensors, in C.
+ *
+ * The general walk (vramkit/amp/arrays.py) reads each tensor's data pointer, size, dtype,
+ * device and layout in Python, builds a tuple per tensor, checks overlaps in Python, and the
+ * binding then parses the tuples again: about 2 microseconds a tensor, ten times torch's whole
+ * _amp_foreach_non_finite_check_and_unscale_ on 200 small CPU tensors. Here the same facts are
+ * read with five descriptor calls, the overlap check is a sort in C, and the result is a
+ * capsule of vram_tensor_t spans that the kernel bindings (amp.c) take in place of the tuples.
+ *
+ * Only the common case is taken: every item exactly a torch.Tensor (not a subclass: a DTensor's
+ * or a Parameter's data pointer means something else, or nothing), with a data pointer (sparse,
+ * CSR and MKL-DNN layouts have none), contiguous,
+ * of a dtype the kernels take, all on the CPU or all on one CUDA device, none overlapping.
+ * Anything else returns None and the caller takes the general walk, which raises the specific
+ * errors; so this file never raises for a bad list, and a refused list changes nothing. */
+#include <string.h>
+
+#include "module.h"
+
+#define SPANS_CAPSULE "vramkit.amp_spans"
+
+typedef struct spans {
+    Py_ssize_t count; /* dense tensors, in items */
+    vram_tensor_t *items;
+    Py_ssize_t strided_count; /* the rest (CPU only), with their shapes and strides in dims */
+    vram_strided_tensor_t *strided;
+    int64_t *dims;
+} spans_t;
+
+static void spans_release(spans_t *s) {
+    if (!s) return;
+    PyMem_Free(s->items);
+    PyMem_Free(s->strided);
+    PyMem_Free(s->dims);
+    PyMem_Free(s);
+}
+
+static void spans_free(PyObject *capsule) { spans_release(PyCapsule_GetPointer(capsule, SPANS_CAPSULE)); }
+
+/* The dense spans a capsule from amp_torch_spans holds, or NULL (no exception) if `obj` is not
+ * one; *strided_count says how many strided tensors it holds besides (vk_amp_strided_spans). */
+const vram_tensor_t *vk_amp_spans(PyObject *obj, Py_ssize_t *count, Py_ssize_t *strided_count) {
+    if (!PyCapsule_IsValid(obj, SPANS_CAPSULE)) return NULL;
+    spans_t *s = PyCapsule_GetPointer(obj, SPANS_CAPSULE);
+    *count = s->count;
+    *strided_count = s->strided_count;
+    return s->items;
+}
+
+const vram_strided_tensor_t *vk_amp_strided_spans(PyObject *obj, Py_ssize_t *count) {
+    if (!PyCapsule_IsValid(obj, SPANS_CAPSULE)) return NULL;
+    spans_t *s = PyCapsule_GetPointer(obj, SPANS_CAPSULE);
+    *count = s->strided_count;
+    return s->strided;
+}
+
+static const size_t itemsize[] = {[VRAM_FLOAT32] = 4, [VRAM_FLOAT16] = 2, [VRAM_BFLOAT16] = 2, [VRAM_FLOAT64] = 8};
+
+/* The attributes read, looked up once on torch.Tensor and called as descriptors: a getset's
+ * __get__ or a method descriptor's vectorcall with the tensor as self, without the attribute
+ * lookup through the type's MRO that t.<name> does each time (a third of the walk's time). */
+enum { DTYPE, NBYTES, IS_CONTIGUOUS, DATA_PTR, GET_DEVICE, SIZE, STRIDE, N_ATTRS };
+static const char *const attr_names[N_ATTRS] = {"dtype", "nbytes", "is_contiguous", "data_ptr", "get_device",
+                                                 "size", "stride"};
+static PyObject *attr_descr[N_ATTRS];
+static PyObject *attr_type; /* the torch.Tensor they were looked up on (a strong reference) */
+
+static int look_up(PyObject *tensor_type) {
+    if (attr_type == tensor_type) return 0;
+    PyObject *found[N_ATTRS] = {0};
+    for (int i = 0; i < N_ATTRS; i++) {
+        found[i] = PyObject_GetAttrString(tensor_type, attr_names[i]);
+        if (!found[i]) {
+            for (int j = 0; j < i; j++) Py_DECREF(found[j]);
+            return -1;
+        }
+    }
+    for (int i = 0; i < N_ATTRS; i++) Py_XSETREF(attr_descr[i], found[i]);
+    Py_XSETREF(attr_type, Py_NewRef(tensor_type));
+    return 0;
+}
+
+/* t.<attr> (a getset) or t.<attr>() (a method), as a new reference; NULL with the error cleared. */
+static PyObject *read_attr(PyObject *t, int attr) {
+    PyObject *d = attr_descr[attr], *r;
+    descrgetfunc get = Py_TYPE(d)->tp_descr_get;
+    if (attr >= IS_CONTIGUOUS) r = PyObject_Vectorcall(d, &t, 1, NULL); /* the methods */
+    else r = get ? get(d, t, (PyObject *)Py_TYPE(t)) : NULL;
+    if (!r) PyErr_Clear();
+    return r;
+}
+
+/* t.<attr>() as a C integer; sets *failed (no exception left) when it is not one. */
+static long long call_int(PyObject *t, int attr, int *failed) {
+    PyObject *r = read_attr(t, attr);
+    long long v = r ? PyLong_AsLongLong(r) : -1;
+    Py_XDECREF(r);
+    if (!r || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        *failed = 1;
+    }
+    return v;
+}
+
+typedef struct span_order {
+    uintptr_t start, end;
+} span_order_t;
+
+/* Sort by start, bottom-up merge sort through `tmp` (qsort's comparator calls were a tenth of
+ * the walk); returns the array that holds the result. */
+static span_order_t *sort_by_start(span_order_t *a, span_order_t *tmp, Py_ssize_t n) {
+    for (Py_ssize_t width = 1; width < n; width *= 2) {
+        for (Py_ssize_t lo = 0; lo < n; lo += 2 * width) {
+            Py_ssize_t mid = lo + width < n ? lo + width : n, hi = lo + 2 * width < n ? lo + 2 * width : n;
+            Py_ssize_t i = lo, j = mid, k = lo;
+            while (i < mid && j < hi) tmp[k++] = a[j].start < a[i].start ? a[j++] : a[i++];
+            while (i < mid) tmp[k++] = a[i++];
+            while (j < hi) tmp[k++] = a[j++];
+        }
+        span_order_t *swap = a;
+        a = tmp;
+        tmp = swap;
+    }
+    return a;
+}
+
+/* The byte range [start, end) a strided tensor's elements lie in (strides are positive here). */
+static span_order_t strided_range(const vram_strided_tensor_t *t) {
+    uintptr_t high = 0;
+    for (int32_t d = 0; d < t->ndim; d++) high += (uintptr_t)(t->strides[d] * (t->shape[d] - 1));
+    uintptr_t start = (uintptr_t)t->data;
+    return (span_order_t){start, start + (high + 1) * itemsize[t->dtype]};
+}
+
+/* 1 if two tensors share a byte (an element would be unscaled twice), else 0; -1 out of memory.
+ * A strided tensor counts as the whole range it spans, as the general walk counts it. */
+static int any_overlap(const spans_t *s) {
+    Py_ssize_t total = s->count + s->strided_count;
+    span_order_t *o = PyMem_New(span_order_t, 2 * (size_t)total + 1);
+    if (!o) return -1;
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = 0; i < s->count; i++) {
+        const vram_tensor_t *t = &s->items[i];
+        if (t->numel <= 0) continue;
+        uintptr_t start = (uintptr_t)t->data;
+        o[n++] = (span_order_t){start, start + (uintptr_t)t->numel * itemsize[t->dtype]};
+    }
+    for (Py_ssize_t i = 0; i < s->strided_count; i++) o[n++] = strided_range(&s->strided[i]);
+    /* A model's gradients usually come in address order, ascending or (allocated during the
+     * backward, last layer first) descending: then one pass decides, else sort. */
+    int ascending = 1, descending = 1;
+    for (Py_ssize_t i = 1; i < n && (ascending || descending); i++) {
+        ascending = ascending && o[i].start >= o[i - 1].end;
+        descending = descending && o[i].end <= o[i - 1].start;
+    }
+    if (ascending || descending) {
+        PyMem_Free(o);
+        return 0;
+    }
+    const span_order_t *sorted = sort_by_start(o, o + total, n);
+    int overlap = 0;
+    for (Py_ssize_t i = 1; i < n && !overlap; i++) overlap = sorted[i].start < sorted[i - 1].end;
+    PyMem_Free(o);
+    return overlap;
+}
+
+/* Read t.size() and t.stride() into dims[0..2*ndim): the number of dimensions, or -1 when they
+ * cannot be read or the layout is not one the strided kernels take as it is: more than
+ * VRAM_AMP_MAX_DIMS dimensions, a stride that is not positive under a dimension of more than
+ * one element (an expanded tensor would be unscaled twice over), or dimensions that overlap
+ * (sorted by stride, each stride at least the span of the ones below it). */
+static int read_layout(PyObject *t, int64_t *dims) {
+    PyObject *size = read_attr(t, SIZE), *stride = size ? read_attr(t, STRIDE) : NULL;
+    int nd = -1;
+    if (size && stride && PyTuple_Check(size) && PyTuple_Check(stride) &&
+        PyTuple_GET_SIZE(size) == PyTuple_GET_SIZE(stride) && PyTuple_GET_SIZE(size) <= VRAM_AMP_MAX_DIMS) {
+        nd = (int)PyTuple_GET_SIZE(size);
+        for (int d = 0; d < nd && nd >= 0; d++) {
+            dims[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(size, d));
+            dims[nd + d] = PyLong_AsLongLong(PyTuple_GET_ITEM(stride, d));
+            /* (an empty tensor falls back too: the general walk skips it) */
+            if (PyErr_Occurred() || dims[d] <= 0 || (dims[d] > 1 && dims[nd + d] <= 0)) nd = -1;
+        }
+    }
+    PyErr_Clear();
+    Py_XDECREF(size);
+    Py_XDECREF(stride);
+    if (nd <= 0) return nd;
+    /* non-overlapping: with dimensions ordered by stride, each stride reaches past the last
+     * element the smaller ones address (insertion sort: at most 64 dimensions) */
+    int order[VRAM_AMP_MAX_DIMS];
+    for (int d = 0; d < nd; d++) {
+        int k = d;
+        while (k > 0 && dims[nd + order[k - 1]] > dims[nd + d]) {
+            order[k] = order[k - 1];
+            k--;
+        }
+        order[k] = d;
+    }
+    int64_t reach = 0; /* the largest offset the dimensions so far address */
+    for (int k = 0; k < nd; k++) {
+        int d = order[k];
+        if (dims[d] <= 1) continue;
+        if (dims[nd + d] <= reach) return -1;
+        reach += dims[nd + d] * (dims[d] - 1);
+    }
+    return nd;
+}
+
+/* Append a strided tensor to s (its dims copied): 0, or -1 out of memory (exception set). */
+static int add_strided(spans_t *s, Py_ssize_t capacity, Py_ssize_t *dims_used, Py_ssize_t *dims_capacity,
+                       void *ptr, vram_dtype_t dtype, int nd, const int64_t *dims) {
+    if (!s->strided && !(s->strided = PyMem_New(vram_strided_tensor_t, (size_t)capacity))) goto nomem;
+    if (*dims_used + 2 * nd > *dims_capacity) {
+        Py_ssize_t grown = 2 * *dims_capacity + 2 * nd;
+        int64_t *bigger = PyMem_Realloc(s->dims, (size_t)grown * sizeof(int64_t));
+        if (!bigger) goto nomem;
+        s->dims = bigger;
+        *dims_capacity = grown;
+    }
+    memcpy(s->dims + *dims_used, dims, 2 * (size_t)nd * sizeof(int64_t));
+    /* (the shape and strides pointers are set once every tensor is in: dims may move) */
+    s->strided[s->strided_count++] = (vram_strided_tensor_t){ptr, dtype, nd, (const int64_t *)(intptr_t)*dims_used,
+                                                            NULL};
+    *dims_used += 2 * nd;
+    return 0;
+nomem:
+    PyErr_NoMemory();
+    return -1;
+}
+
+/* _C.amp_torch_spans(tensors, consts) -> (spans, device, dtypes) or None.
+ * consts: (torch.Tensor, torch.float32, torch.float16, torch.bfloat16, torch.float64).
+ * device: -1 for the CPU, else the CUDA device index; dtypes: a bit per dtype code present. */
+static PyObject *amp_torch_spans(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *tensors, *tensor_type, *dtypes[4];
+    if (!PyArg_ParseTuple(args, "O(OOOOO):amp_torch_spans", &tensors, &tensor_type, &dtypes[VRAM_FLOAT32],
+                          &dtypes[VRAM_FLOAT16], &dtypes[VRAM_BFLOAT16], &dtypes[VRAM_FLOAT64]))
+        return NULL;
+    if (look_up(tensor_type) < 0) return NULL;
+    if (!PyList_CheckExact(tensors) && !PyTuple_CheckExact(tensors)) Py_RETURN_NONE;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(tensors);
+    if (count == 0) Py_RETURN_NONE;
+    spans_t *s = PyMem_Calloc(1, sizeof(spans_t));
+    if (!s || !(s->items = PyMem_New(vram_tensor_t, (size_t)count))) {
+        spans_release(s);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t dims_used = 0, dims_capacity = 0;
+    int64_t dims[2 * VRAM_AMP_MAX_DIMS];
+    long long device = -2; /* not yet known */
+    unsigned mask = 0;
+    int failed = 0, taken = 0;
+    for (Py_ssize_t i = 0; i < count && !failed; i++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(tensors, i);
+        if ((PyObject *)Py_TYPE(t) != tensor_type) break;
+        int code = -1;
+        PyObject *dt = read_attr(t, DTYPE);
+        for (int c = 0; c < 4 && dt; c++)
+            if (dt == dtypes[c]) code = c;
+        Py_XDECREF(dt);
+        if (code < 0) break;
+        long long dev = call_int(t, GET_DEVICE, &failed); /* -1 on the CPU */
+        if (failed || (device != -2 && dev != device)) break;
+        device = dev;
+        PyObject *contiguous = read_attr(t, IS_CONTIGUOUS);
+        if (!contiguous) break;
+        int dense = contiguous == Py_True;
+        Py_DECREF(contiguous);
+        /* (sparse, CSR and MKL-DNN tensors have no data pointer: data_ptr() raises, and they fall back) */
+        long long ptr = call_int(t, DATA_PTR, &failed);
+        if (failed) break;
+        mask |= 1u << code;
+        if (dense) {
+            long long nbytes = call_int(t, NBYTES, &failed);
+            if (failed) break;
+            s->items[s->count++] = (vram_tensor_t){(void *)(uintptr_t)ptr,
+                                                   (int64_t)(nbytes / (long long)itemsize[code]), (vram_dtype_t)code};
+        } else { /* the CPU's strided kernels take it in place; CUDA's take dense tensors only */
+            int nd = dev >= 0 ? -1 : read_layout(t, dims);
+            if (nd < 0) break;
+            if (add_strided(s, count, &dims_used, &dims_capacity, (void *)(uintptr_t)ptr, (vram_dtype_t)code, nd,
+                            dims) < 0) {
+                spans_release(s);
+                return NULL;
+            }
+        }
+        taken++;
+    }
+    if (taken != count) { /* an item the walk does not take: the general walk decides (and raises) */
+        spans_release(s);
+        Py_RETURN_NONE;
+    }
+    for (Py_ssize_t i = 0; i < s->strided_count; i++) { /* dims stays where it is from here on */
+        vram_strided_tensor_t *st = &s->strided[i];
+        Py_ssize_t at = (Py_ssize_t)(intptr_t)st->shape;
+        st->shape = s->dims + at;
+        st->strides = s->dims + at + st->ndim;
+    }
+    int overlap = any_overlap(s);
+    if (overlap != 0) {
+        spans_release(s);
+        if (overlap < 0) return PyErr_NoMemory();
+        Py_RETURN_NONE;
+    }
+    PyObject *capsule = PyCapsule_New(s, SPANS_CAPSULE, spans_free);
+    if (!capsule) {
+        spans_release(s);
+        return NULL;
+    }
+    return Py_BuildValue("(NLI)", capsule, device, mask);
+}
+
+static PyMethodDef methods[] = {
+    {"amp_torch_spans", amp_torch_spans, METH_VARARGS,
+     "amp_torch_spans(tensors, (Tensor, float32, float16, bfloat16, float64)) -> (spans, device, dtype_bits) "
+     "or None when some tensor is not a plain, dense torch tensor of those dtypes on one device, or tensors overlap"},
+    {NULL, NULL, 0, NULL},
+};
+
+int vk_amp_torch_init(PyObject *module) { return vk_add_methods(module, methods); }
