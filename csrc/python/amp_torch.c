@@ -59,9 +59,10 @@ static const size_t itemsize[] = {[VRAM_FLOAT32] = 4, [VRAM_FLOAT16] = 2, [VRAM_
 /* The attributes read, looked up once on torch.Tensor and called as descriptors: a getset's
  * __get__ or a method descriptor's vectorcall with the tensor as self, without the attribute
  * lookup through the type's MRO that t.<name> does each time (a third of the walk's time). */
-enum { DTYPE, NBYTES, IS_CONTIGUOUS, DATA_PTR, GET_DEVICE, SIZE, STRIDE, N_ATTRS };
-static const char *const attr_names[N_ATTRS] = {"dtype", "nbytes", "is_contiguous", "data_ptr", "get_device",
-                                                 "size", "stride"};
+enum { DTYPE, NBYTES, IS_CUDA, SHAPE, /* getsets; then methods: */ IS_CONTIGUOUS, DATA_PTR, GET_DEVICE, STRIDE,
+       N_ATTRS };
+static const char *const attr_names[N_ATTRS] = {"dtype", "nbytes", "is_cuda", "shape", "is_contiguous", "data_ptr",
+                                                 "get_device", "stride"};
 static PyObject *attr_descr[N_ATTRS];
 static PyObject *attr_type; /* the torch.Tensor they were looked up on (a strong reference) */
 
@@ -164,13 +165,13 @@ static int any_overlap(const spans_t *s) {
     return overlap;
 }
 
-/* Read t.size() and t.stride() into dims[0..2*ndim): the number of dimensions, or -1 when they
+/* Read t.shape and t.stride() into dims[0..2*ndim): the number of dimensions, or -1 when they
  * cannot be read or the layout is not one the strided kernels take as it is: more than
  * VRAM_AMP_MAX_DIMS dimensions, a stride that is not positive under a dimension of more than
  * one element (an expanded tensor would be unscaled twice over), or dimensions that overlap
  * (sorted by stride, each stride at least the span of the ones below it). */
 static int read_layout(PyObject *t, int64_t *dims) {
-    PyObject *size = read_attr(t, SIZE), *stride = size ? read_attr(t, STRIDE) : NULL;
+    PyObject *size = read_attr(t, SHAPE), *stride = size ? read_attr(t, STRIDE) : NULL;
     int nd = -1;
     if (size && stride && PyTuple_Check(size) && PyTuple_Check(stride) &&
         PyTuple_GET_SIZE(size) == PyTuple_GET_SIZE(stride) && PyTuple_GET_SIZE(size) <= VRAM_AMP_MAX_DIMS) {
@@ -229,23 +230,20 @@ nomem:
     return -1;
 }
 
-/* _C.amp_torch_spans(tensors, consts) -> (spans, device, dtypes) or None.
- * consts: (torch.Tensor, torch.float32, torch.float16, torch.bfloat16, torch.float64).
- * device: -1 for the CPU, else the CUDA device index; dtypes: a bit per dtype code present. */
-static PyObject *amp_torch_spans(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *tensors, *tensor_type, *dtypes[4];
-    if (!PyArg_ParseTuple(args, "O(OOOOO):amp_torch_spans", &tensors, &tensor_type, &dtypes[VRAM_FLOAT32],
-                          &dtypes[VRAM_FLOAT16], &dtypes[VRAM_BFLOAT16], &dtypes[VRAM_FLOAT64]))
-        return NULL;
-    if (look_up(tensor_type) < 0) return NULL;
-    if (!PyList_CheckExact(tensors) && !PyTuple_CheckExact(tensors)) Py_RETURN_NONE;
+/* Walk `tensors`: 0 with *out the spans (device and dtype bits set), 0 with *out NULL when
+ * the list is one the general walk must take, -1 with an exception (out of memory). */
+static int walk(PyObject *tensors, PyObject *tensor_type, PyObject *const dtypes[4], spans_t **out,
+                long long *device_out, unsigned *mask_out) {
+    *out = NULL;
+    if (look_up(tensor_type) < 0) return -1;
+    if (!PyList_CheckExact(tensors) && !PyTuple_CheckExact(tensors)) return 0;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(tensors);
-    if (count == 0) Py_RETURN_NONE;
+    if (count == 0) return 0;
     spans_t *s = PyMem_Calloc(1, sizeof(spans_t));
     if (!s || !(s->items = PyMem_New(vram_tensor_t, (size_t)count))) {
         spans_release(s);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        return -1;
     }
     Py_ssize_t dims_used = 0, dims_capacity = 0;
     int64_t dims[2 * VRAM_AMP_MAX_DIMS];
@@ -261,7 +259,10 @@ static PyObject *amp_torch_spans(PyObject *self, PyObject *args) {
             if (dt == dtypes[c]) code = c;
         Py_XDECREF(dt);
         if (code < 0) break;
-        long long dev = call_int(t, GET_DEVICE, &failed); /* -1 on the CPU */
+        PyObject *cuda = read_attr(t, IS_CUDA); /* (a getset: cheaper than get_device() on the CPU) */
+        if (!cuda) break;
+        long long dev = cuda == Py_True ? call_int(t, GET_DEVICE, &failed) : -1;
+        Py_DECREF(cuda);
         if (failed || (device != -2 && dev != device)) break;
         device = dev;
         PyObject *contiguous = read_attr(t, IS_CONTIGUOUS);
@@ -283,14 +284,14 @@ static PyObject *amp_torch_spans(PyObject *self, PyObject *args) {
             if (add_strided(s, count, &dims_used, &dims_capacity, (void *)(uintptr_t)ptr, (vram_dtype_t)code, nd,
                             dims) < 0) {
                 spans_release(s);
-                return NULL;
+                return -1;
             }
         }
         taken++;
     }
     if (taken != count) { /* an item the walk does not take: the general walk decides (and raises) */
         spans_release(s);
-        Py_RETURN_NONE;
+        return 0;
     }
     for (Py_ssize_t i = 0; i < s->strided_count; i++) { /* dims stays where it is from here on */
         vram_strided_tensor_t *st = &s->strided[i];
@@ -301,9 +302,37 @@ static PyObject *amp_torch_spans(PyObject *self, PyObject *args) {
     int overlap = any_overlap(s);
     if (overlap != 0) {
         spans_release(s);
-        if (overlap < 0) return PyErr_NoMemory();
-        Py_RETURN_NONE;
+        if (overlap < 0) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        return 0;
     }
+    *out = s;
+    *device_out = device;
+    *mask_out = mask;
+    return 0;
+}
+
+static int parse_consts(PyObject *consts, PyObject **tensor_type, PyObject *dtypes[4]) {
+    return PyArg_ParseTuple(consts, "OOOOO;consts must be (torch.Tensor, float32, float16, bfloat16, float64)",
+                            tensor_type, &dtypes[VRAM_FLOAT32], &dtypes[VRAM_FLOAT16], &dtypes[VRAM_BFLOAT16],
+                            &dtypes[VRAM_FLOAT64]) ? 0 : -1;
+}
+
+/* _C.amp_torch_spans(tensors, consts) -> (spans, device, dtypes) or None.
+ * consts: (torch.Tensor, torch.float32, torch.float16, torch.bfloat16, torch.float64).
+ * device: -1 for the CPU, else the CUDA device index; dtypes: a bit per dtype code present. */
+static PyObject *amp_torch_spans(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *tensors, *consts, *tensor_type, *dtypes[4];
+    spans_t *s;
+    long long device;
+    unsigned mask;
+    if (!PyArg_ParseTuple(args, "OO!:amp_torch_spans", &tensors, &PyTuple_Type, &consts) ||
+        parse_consts(consts, &tensor_type, dtypes) < 0 || walk(tensors, tensor_type, dtypes, &s, &device, &mask) < 0)
+        return NULL;
+    if (!s) Py_RETURN_NONE;
     PyObject *capsule = PyCapsule_New(s, SPANS_CAPSULE, spans_free);
     if (!capsule) {
         spans_release(s);
@@ -312,7 +341,45 @@ static PyObject *amp_torch_spans(PyObject *self, PyObject *args) {
     return Py_BuildValue("(NLI)", capsule, device, mask);
 }
 
+/* _C.amp_torch_unscale_check(tensors, consts, inv_scale, want_sumsq) -> (found_inf, sumsq or None, dtypes)
+ * or None: amp_unscale_check on the CPU in one call, walk and kernel, for a list of plain CPU
+ * torch tensors (None, nothing written, for any other list). */
+static PyObject *amp_torch_unscale_check(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *tensors, *consts, *tensor_type, *dtypes[4];
+    float inv_scale;
+    int want_sumsq;
+    spans_t *s;
+    long long device;
+    unsigned mask;
+    if (!PyArg_ParseTuple(args, "OO!fp:amp_torch_unscale_check", &tensors, &PyTuple_Type, &consts, &inv_scale,
+                          &want_sumsq) ||
+        parse_consts(consts, &tensor_type, dtypes) < 0 || walk(tensors, tensor_type, dtypes, &s, &device, &mask) < 0)
+        return NULL;
+    if (!s || device != -1) {
+        spans_release(s);
+        Py_RETURN_NONE;
+    }
+    float found = 0.0f;
+    double sumsq = 0.0, strided_sumsq = 0.0;
+    vram_status_t st;
+    Py_BEGIN_ALLOW_THREADS
+    st = vram_amp_unscale_check(s->items, (size_t)s->count, inv_scale, &found, want_sumsq ? &sumsq : NULL);
+    if (st == VRAM_OK && s->strided_count) /* (layouts checked in the walk: not refused after the dense ones) */
+        st = vram_amp_unscale_check_strided(s->strided, (size_t)s->strided_count, inv_scale, &found,
+                                            want_sumsq ? &strided_sumsq : NULL);
+    Py_END_ALLOW_THREADS
+    spans_release(s);
+    if (st != VRAM_OK) return vk_raise(st);
+    PyObject *flag = found != 0.0f ? Py_True : Py_False;
+    if (want_sumsq) return Py_BuildValue("(OdI)", flag, sumsq + strided_sumsq, mask);
+    return Py_BuildValue("(OOI)", flag, Py_None, mask);
+}
+
 static PyMethodDef methods[] = {
+    {"amp_torch_unscale_check", amp_torch_unscale_check, METH_VARARGS,
+     "amp_torch_unscale_check(tensors, consts, inv_scale, want_sumsq) -> (found_inf, sumsq or None, dtype_bits) or "
+     "None: the CPU unscale of plain torch tensors, walk and kernel in one call (None: the general walk's)"},
     {"amp_torch_spans", amp_torch_spans, METH_VARARGS,
      "amp_torch_spans(tensors, (Tensor, float32, float16, bfloat16, float64)) -> (spans, device, dtype_bits) "
      "or None when some tensor is not a plain, dense torch tensor of those dtypes on one device, or tensors overlap"},

@@ -261,6 +261,7 @@ def test_grads_on_two_devices_keep_found_inf_per_device(monkeypatch):
     # The C walk (torch_spans) sees the real device of each tensor: one here, so it would take
     # them all; the second device is faked in the general walk, which mixed devices go through.
     monkeypatch.setattr(_arrays, "torch_spans", lambda arrays: None)
+    monkeypatch.setattr(_arrays, "torch_unscale_cpu", lambda arrays, inv, want: None)
     import vramkit.amp.loss_scaling as amp_mod  # where GradScaler looks these up
     real_scalars = amp_mod.scalars_for
     monkeypatch.setattr(amp_mod, "scalars_for",

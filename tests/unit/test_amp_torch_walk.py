@@ -106,3 +106,19 @@ def test_bf16_gradients_through_the_c_walk_still_warn():
     scaler.scale(torch.ones(()))  # (a float32 loss: no warning of its own)
     with pytest.warns(UserWarning, match="bfloat16"):
         scaler.unscale_(torch.optim.SGD([p], lr=0.0))
+
+
+def test_one_call_cpu_unscale_sums_squares_over_dense_and_strided():
+    grads = mixed_layouts(torch.float32, seed=3)
+    reference = [g.double() * 0.25 for g in grads]
+    found, sumsq, dtype_bits = _arrays.torch_unscale_cpu(grads, 0.25, True)
+    assert found is False and dtype_bits == 1 << _arrays.FLOAT32
+    assert sumsq == pytest.approx(sum(float((r ** 2).sum()) for r in reference), rel=1e-6)
+    for g, r in zip(grads, reference):
+        assert torch.equal(g, r.float())  # x * 0.25 is exact
+
+
+def test_one_call_cpu_unscale_leaves_other_lists_untouched():
+    p = torch.nn.Parameter(torch.full((3,), 4.0))
+    assert _arrays.torch_unscale_cpu([torch.full((3,), 4.0), p], 0.5, False) is None
+    assert torch.equal(p.detach(), torch.full((3,), 4.0))

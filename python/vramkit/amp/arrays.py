@@ -214,17 +214,30 @@ def torch_spans(arrays: Any) -> tuple[Any, str, int] | None:
     overlapping. Returns (spans, device, dtype bits), where the kernel bindings take ``spans``
     in place of ``triples``; or None for anything else, which ``describe_all`` then walks (and
     whose errors it raises)."""
-    torch = sys.modules.get("torch")
-    if torch is None or not isinstance(arrays, (list, tuple)):
-        return None
     global _torch_consts
     if _torch_consts is None:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return None
         _torch_consts = (torch.Tensor, torch.float32, torch.float16, torch.bfloat16, torch.float64)
+    if not isinstance(arrays, (list, tuple)):
+        return None
     walked = _C.amp_torch_spans(arrays, _torch_consts)
     if walked is None:
         return None
     spans, index, dtype_bits = walked
     return spans, "cpu" if index < 0 else f"cuda:{index}", dtype_bits
+
+
+def torch_unscale_cpu(arrays: Any, inv_scale: float, want_sumsq: bool) -> tuple[bool, float | None, int] | None:
+    """``amp_unscale_check`` of a list of plain CPU torch tensors, walk and kernel in one C call
+    (``_C.amp_torch_unscale_check``): (found_inf, sumsq or None, dtype bits); None, with nothing
+    written, for any list ``torch_spans`` would not take or whose tensors are not on the CPU."""
+    if _torch_consts is None:
+        torch_spans(())  # (sets the constants once torch is imported)
+    if _torch_consts is None or not isinstance(arrays, (list, tuple)):
+        return None
+    return _C.amp_torch_unscale_check(arrays, _torch_consts, inv_scale, want_sumsq)
 
 
 def describe_all(arrays: Any, what: str = "grads") -> tuple[list[Ref], list[Any]]:

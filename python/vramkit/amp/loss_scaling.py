@@ -144,8 +144,15 @@ class GradScaler:
                        checks: list[Any] | None = None) -> tuple[dict[str, Any], list[tuple[Any, Any]]]:
         """Unscale grouped by device; returns ({device: found_inf}, [(ns, sumsq) per device]).
         ``checks`` are arrays only tested for inf/NaN (coalesced copies of sparse gradients)."""
+        if not checks and not self._ns.is_cuda:  # a CPU scaler: plain CPU tensors in one C call
+            done = _arrays.torch_unscale_cpu(grads, float(inv_scale), want_norm)
+            if done is not None:
+                found_host, sumsq, dtype_bits = done
+                if dtype_bits & (1 << _arrays.BFLOAT16):
+                    self._warn_bf16()
+                return {"cpu": self._ns.full(1.0 if found_host else 0.0, "float32")}, [(self._ns, sumsq)]
         fast = None if checks else _arrays.torch_spans(grads)
-        if fast is not None:  # plain dense torch tensors on one device, walked in C
+        if fast is not None:  # plain torch tensors on one device, walked in C
             spans, device, dtype_bits = fast
             if dtype_bits & (1 << _arrays.BFLOAT16):
                 self._warn_bf16()
