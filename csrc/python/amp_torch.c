@@ -9,8 +9,9 @@
  *
  * Only the common case is taken: every item exactly a torch.Tensor (not a subclass: a DTensor's
  * or a Parameter's data pointer means something else, or nothing), with a data pointer (sparse,
- * CSR and MKL-DNN layouts have none), contiguous,
- * of a dtype the kernels take, all on the CPU or all on one CUDA device, none overlapping.
+ * CSR and MKL-DNN layouts have none; a meta tensor's is NULL), of a dtype the kernels take, all
+ * on the CPU or all on one CUDA device (meta, XPU and other devices are refused), none
+ * overlapping.
  * Anything else returns None and the caller takes the general walk, which raises the specific
  * errors; so this file never raises for a bad list, and a refused list changes nothing. */
 #include <string.h>
@@ -59,10 +60,10 @@ static const size_t itemsize[] = {[VRAM_FLOAT32] = 4, [VRAM_FLOAT16] = 2, [VRAM_
 /* The attributes read, looked up once on torch.Tensor and called as descriptors: a getset's
  * __get__ or a method descriptor's vectorcall with the tensor as self, without the attribute
  * lookup through the type's MRO that t.<name> does each time (a third of the walk's time). */
-enum { DTYPE, NBYTES, IS_CUDA, SHAPE, /* getsets; then methods: */ IS_CONTIGUOUS, DATA_PTR, GET_DEVICE, STRIDE,
-       N_ATTRS };
-static const char *const attr_names[N_ATTRS] = {"dtype", "nbytes", "is_cuda", "shape", "is_contiguous", "data_ptr",
-                                                 "get_device", "stride"};
+enum { DTYPE, NBYTES, IS_CPU, IS_CUDA, SHAPE, /* getsets; then methods: */ IS_CONTIGUOUS, DATA_PTR, GET_DEVICE,
+       STRIDE, N_ATTRS };
+static const char *const attr_names[N_ATTRS] = {"dtype", "nbytes", "is_cpu", "is_cuda", "shape", "is_contiguous",
+                                                 "data_ptr", "get_device", "stride"};
 static PyObject *attr_descr[N_ATTRS];
 static PyObject *attr_type; /* the torch.Tensor they were looked up on (a strong reference) */
 
@@ -259,11 +260,13 @@ static int walk(PyObject *tensors, PyObject *tensor_type, PyObject *const dtypes
             if (dt == dtypes[c]) code = c;
         Py_XDECREF(dt);
         if (code < 0) break;
-        PyObject *cuda = read_attr(t, IS_CUDA); /* (a getset: cheaper than get_device() on the CPU) */
-        if (!cuda) break;
-        long long dev = cuda == Py_True ? call_int(t, GET_DEVICE, &failed) : -1;
-        Py_DECREF(cuda);
-        if (failed || (device != -2 && dev != device)) break;
+        /* The device: the CPU, or a CUDA device's index; any other (meta, whose data pointer is
+         * NULL; XPU, MPS, ...) falls back. Getsets first: cheaper than get_device(). */
+        PyObject *cpu = read_attr(t, IS_CPU), *cuda = cpu == Py_False ? read_attr(t, IS_CUDA) : NULL;
+        long long dev = cpu == Py_True ? -1 : cuda == Py_True ? call_int(t, GET_DEVICE, &failed) : -3;
+        Py_XDECREF(cpu);
+        Py_XDECREF(cuda);
+        if (failed || dev == -3 || (device != -2 && dev != device)) break;
         device = dev;
         PyObject *contiguous = read_attr(t, IS_CONTIGUOUS);
         if (!contiguous) break;
@@ -272,10 +275,10 @@ static int walk(PyObject *tensors, PyObject *tensor_type, PyObject *const dtypes
         /* (sparse, CSR and MKL-DNN tensors have no data pointer: data_ptr() raises, and they fall back) */
         long long ptr = call_int(t, DATA_PTR, &failed);
         if (failed) break;
+        long long nbytes = call_int(t, NBYTES, &failed);
+        if (failed || (ptr == 0 && nbytes != 0)) break; /* (no memory behind it: the general walk decides) */
         mask |= 1u << code;
         if (dense) {
-            long long nbytes = call_int(t, NBYTES, &failed);
-            if (failed) break;
             s->items[s->count++] = (vram_tensor_t){(void *)(uintptr_t)ptr,
                                                    (int64_t)(nbytes / (long long)itemsize[code]), (vram_dtype_t)code};
         } else { /* the CPU's strided kernels take it in place; CUDA's take dense tensors only */
@@ -376,7 +379,59 @@ static PyObject *amp_torch_unscale_check(PyObject *self, PyObject *args) {
     return Py_BuildValue("(OOI)", flag, Py_None, mask);
 }
 
+/* The address of a one-element float32 CPU torch tensor (exactly a torch.Tensor), else NULL
+ * with no exception: the caller then takes the general path, which names what is wrong. */
+static float *cpu_scalar(PyObject *t, PyObject *tensor_type, PyObject *float32) {
+    if ((PyObject *)Py_TYPE(t) != tensor_type) return NULL;
+    int failed = 0;
+    PyObject *dt = read_attr(t, DTYPE), *cpu = read_attr(t, IS_CPU);
+    int ok = dt == float32 && cpu == Py_True;
+    Py_XDECREF(dt);
+    Py_XDECREF(cpu);
+    if (!ok || call_int(t, NBYTES, &failed) != 4 || failed) return NULL;
+    long long ptr = call_int(t, DATA_PTR, &failed);
+    return failed ? NULL : (float *)(uintptr_t)ptr;
+}
+
+/* _C.amp_torch_unscale_found(tensors, consts, found_inf, inv_scale) -> True or None: the whole
+ * non_finite_check_and_unscale_ for plain CPU torch tensors and CPU scalars in one call
+ * (found_inf set to 1.0 when an inf/NaN is met, never reset); None, with nothing written, for
+ * anything else, which the general path then takes. */
+static PyObject *amp_torch_unscale_found(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *tensors, *consts, *tensor_type, *dtypes[4], *found_obj, *inv_obj;
+    spans_t *s;
+    long long device;
+    unsigned mask;
+    if (!PyArg_ParseTuple(args, "OO!OO:amp_torch_unscale_found", &tensors, &PyTuple_Type, &consts, &found_obj,
+                          &inv_obj) ||
+        parse_consts(consts, &tensor_type, dtypes) < 0 || look_up(tensor_type) < 0)
+        return NULL;
+    float *found_ptr = cpu_scalar(found_obj, tensor_type, dtypes[VRAM_FLOAT32]);
+    float *inv_ptr = found_ptr ? cpu_scalar(inv_obj, tensor_type, dtypes[VRAM_FLOAT32]) : NULL;
+    if (!inv_ptr) Py_RETURN_NONE;
+    if (walk(tensors, tensor_type, dtypes, &s, &device, &mask) < 0) return NULL;
+    if (!s || device != -1) {
+        spans_release(s);
+        Py_RETURN_NONE;
+    }
+    float found = 0.0f, inv_scale = *inv_ptr;
+    vram_status_t st;
+    Py_BEGIN_ALLOW_THREADS
+    st = vram_amp_unscale_check(s->items, (size_t)s->count, inv_scale, &found, NULL);
+    if (st == VRAM_OK && s->strided_count)
+        st = vram_amp_unscale_check_strided(s->strided, (size_t)s->strided_count, inv_scale, &found, NULL);
+    Py_END_ALLOW_THREADS
+    spans_release(s);
+    if (st != VRAM_OK) return vk_raise(st);
+    if (found != 0.0f) *found_ptr = 1.0f;
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef methods[] = {
+    {"amp_torch_unscale_found", amp_torch_unscale_found, METH_VARARGS,
+     "amp_torch_unscale_found(tensors, consts, found_inf, inv_scale) -> True, or None: "
+     "non_finite_check_and_unscale_ for plain CPU torch tensors and scalars in one call (None: the general path's)"},
     {"amp_torch_unscale_check", amp_torch_unscale_check, METH_VARARGS,
      "amp_torch_unscale_check(tensors, consts, inv_scale, want_sumsq) -> (found_inf, sumsq or None, dtype_bits) or "
      "None: the CPU unscale of plain torch tensors, walk and kernel in one call (None: the general walk's)"},

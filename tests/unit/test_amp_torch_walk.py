@@ -42,6 +42,8 @@ def test_plain_dense_tensors_are_walked_in_c():
     ("not a tensor", lambda: [torch.randn(3), np.zeros(3, np.float32)]),
     ("an expanded tensor (stride 0)", lambda: [torch.randn(3, 1).expand(3, 4)]),
     ("an empty list", lambda: []),
+    ("a meta tensor (its data pointer is NULL)", lambda: [torch.empty(3, device="meta")]),
+    ("a CPU and a meta tensor", lambda: [torch.ones(3), torch.empty(3, device="meta")]),
     ("a generator", lambda: (t for t in [torch.randn(3)])),
 ])
 def test_what_the_c_walk_leaves_to_the_general_walk(why, grads):
@@ -122,3 +124,25 @@ def test_one_call_cpu_unscale_leaves_other_lists_untouched():
     p = torch.nn.Parameter(torch.full((3,), 4.0))
     assert _arrays.torch_unscale_cpu([torch.full((3,), 4.0), p], 0.5, False) is None
     assert torch.equal(p.detach(), torch.full((3,), 4.0))
+
+
+def test_a_meta_tensor_gets_the_general_walks_error_not_a_crash():
+    for grads in ([torch.empty(8, device="meta")], [torch.ones(2), torch.empty(8, device="meta")]):
+        with pytest.raises(ValueError, match="meta"):
+            va.non_finite_check_and_unscale_(grads, torch.zeros(1), torch.ones(1))
+        assert _arrays.torch_unscale_cpu(grads, 1.0, False) is None
+
+
+def test_bad_scalars_get_the_general_paths_errors_and_nothing_is_written():
+    grads = [torch.full((4,), 8.0)]
+    for found, inv, error in ((torch.zeros(1, dtype=torch.float64), torch.ones(1), TypeError),
+                              (torch.zeros(2), torch.ones(1), TypeError),
+                              (torch.zeros(1), torch.full((1,), 0.5, dtype=torch.float16), TypeError)):
+        with pytest.raises(error, match="1-element float32"):
+            va.non_finite_check_and_unscale_(grads, found, inv)
+        assert torch.equal(grads[0], torch.full((4,), 8.0))
+    # and a good call through the same one-call path sets found_inf, and only sets it
+    found = torch.zeros(1)
+    va.non_finite_check_and_unscale_([torch.tensor([1.0, float("inf")])], found, torch.ones(1))
+    va.non_finite_check_and_unscale_([torch.ones(3)], found, torch.ones(1))
+    assert found.item() == 1.0

@@ -240,6 +240,17 @@ def torch_unscale_cpu(arrays: Any, inv_scale: float, want_sumsq: bool) -> tuple[
     return _C.amp_torch_unscale_check(arrays, _torch_consts, inv_scale, want_sumsq)
 
 
+def torch_unscale_found(arrays: Any, found_inf: Any, inv_scale: Any) -> bool:
+    """``non_finite_check_and_unscale_`` in one C call (``_C.amp_torch_unscale_found``) when the
+    gradients are plain CPU torch tensors and ``found_inf``/``inv_scale`` one-element float32
+    CPU tensors: True when done; False, with nothing written, for anything else."""
+    if _torch_consts is None:
+        torch_spans(())  # (sets the constants once torch is imported)
+    if _torch_consts is None or not isinstance(arrays, (list, tuple)):
+        return False
+    return _C.amp_torch_unscale_found(arrays, _torch_consts, found_inf, inv_scale) is not None
+
+
 def describe_all(arrays: Any, what: str = "grads") -> tuple[list[Ref], list[Any]]:
     """Refs for a list of arrays, all on one device and not overlapping."""
     if isinstance(arrays, (str, bytes)) or not hasattr(arrays, "__iter__"):

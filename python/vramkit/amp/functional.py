@@ -122,17 +122,8 @@ def non_finite_check_and_unscale_(grads: Iterable[Any], found_inf: Any, inv_scal
     gradient by ``inv_scale`` (a 1-element float32 array on the gradients' device) and set
     ``found_inf`` (same) to 1.0 if any gradient is inf/NaN; it is never reset to 0.
     Asynchronous on CUDA (runs on the current torch/CuPy stream)."""
-    torch = sys.modules.get("torch")
-    if (torch is not None and type(found_inf) is torch.Tensor and type(inv_scale) is torch.Tensor
-            and not found_inf.is_cuda and not inv_scale.is_cuda):
-        # CPU scalars: plain CPU torch tensors are walked and unscaled in one C call
-        found_ptr = _scalar_ref(found_inf, "found_inf", "float32", "cpu")
-        done = _arrays.torch_unscale_cpu(grads, host_float(_scalar_ref(inv_scale, "inv_scale", "float32", "cpu")),
-                                         False)
-        if done is not None:
-            if done[0]:
-                set_host_float(found_ptr, 1.0)
-            return
+    if _arrays.torch_unscale_found(grads, found_inf, inv_scale):  # plain CPU torch tensors: one C call
+        return
     fast = _arrays.torch_spans(grads)
     if fast is not None:  # plain torch tensors on one device, walked in C
         spans, on, _ = fast
