@@ -344,6 +344,19 @@ static PyObject *amp_torch_spans(PyObject *self, PyObject *args) {
     return Py_BuildValue("(NLI)", capsule, device, mask);
 }
 
+/* The CPU unscale of walked spans, dense then strided (their layouts were checked in the walk,
+ * so the strided ones are not refused once the dense ones are written). Without the GIL. */
+static vram_status_t unscale_spans(const spans_t *s, float inv_scale, float *found, double *sumsq) {
+    double strided_sumsq = 0.0;
+    vram_status_t st = vram_amp_unscale_check(s->items, (size_t)s->count, inv_scale, found, sumsq);
+    if (st == VRAM_OK && s->strided_count) {
+        st = vram_amp_unscale_check_strided(s->strided, (size_t)s->strided_count, inv_scale, found,
+                                            sumsq ? &strided_sumsq : NULL);
+        if (sumsq) *sumsq += strided_sumsq;
+    }
+    return st;
+}
+
 /* _C.amp_torch_unscale_check(tensors, consts, inv_scale, want_sumsq) -> (found_inf, sumsq or None, dtypes)
  * or None: amp_unscale_check on the CPU in one call, walk and kernel, for a list of plain CPU
  * torch tensors (None, nothing written, for any other list). */
@@ -364,18 +377,15 @@ static PyObject *amp_torch_unscale_check(PyObject *self, PyObject *args) {
         Py_RETURN_NONE;
     }
     float found = 0.0f;
-    double sumsq = 0.0, strided_sumsq = 0.0;
+    double sumsq = 0.0;
     vram_status_t st;
     Py_BEGIN_ALLOW_THREADS
-    st = vram_amp_unscale_check(s->items, (size_t)s->count, inv_scale, &found, want_sumsq ? &sumsq : NULL);
-    if (st == VRAM_OK && s->strided_count) /* (layouts checked in the walk: not refused after the dense ones) */
-        st = vram_amp_unscale_check_strided(s->strided, (size_t)s->strided_count, inv_scale, &found,
-                                            want_sumsq ? &strided_sumsq : NULL);
+    st = unscale_spans(s, inv_scale, &found, want_sumsq ? &sumsq : NULL);
     Py_END_ALLOW_THREADS
     spans_release(s);
     if (st != VRAM_OK) return vk_raise(st);
     PyObject *flag = found != 0.0f ? Py_True : Py_False;
-    if (want_sumsq) return Py_BuildValue("(OdI)", flag, sumsq + strided_sumsq, mask);
+    if (want_sumsq) return Py_BuildValue("(OdI)", flag, sumsq, mask);
     return Py_BuildValue("(OOI)", flag, Py_None, mask);
 }
 
@@ -418,9 +428,7 @@ static PyObject *amp_torch_unscale_found(PyObject *self, PyObject *args) {
     float found = 0.0f, inv_scale = *inv_ptr;
     vram_status_t st;
     Py_BEGIN_ALLOW_THREADS
-    st = vram_amp_unscale_check(s->items, (size_t)s->count, inv_scale, &found, NULL);
-    if (st == VRAM_OK && s->strided_count)
-        st = vram_amp_unscale_check_strided(s->strided, (size_t)s->strided_count, inv_scale, &found, NULL);
+    st = unscale_spans(s, inv_scale, &found, NULL);
     Py_END_ALLOW_THREADS
     spans_release(s);
     if (st != VRAM_OK) return vk_raise(st);

@@ -208,21 +208,25 @@ def describe(obj: Any, i: int, keep: list[Any]) -> Ref:
 _torch_consts: tuple[Any, ...] | None = None  # (torch.Tensor and its four dtypes), for the C walk
 
 
-def torch_spans(arrays: Any) -> tuple[Any, str, int] | None:
-    """The common case walked in C (``_C.amp_torch_spans``, csrc/python/amp_torch.c): a list or
-    tuple of plain, dense torch tensors of the kernels' dtypes, all on one device, none
-    overlapping. Returns (spans, device, dtype bits), where the kernel bindings take ``spans``
-    in place of ``triples``; or None for anything else, which ``describe_all`` then walks (and
-    whose errors it raises)."""
+def _walk_consts(arrays: Any) -> tuple[Any, ...] | None:
+    """The C walk's constants, when torch is imported and `arrays` is a list or tuple."""
     global _torch_consts
     if _torch_consts is None:
         torch = sys.modules.get("torch")
         if torch is None:
             return None
         _torch_consts = (torch.Tensor, torch.float32, torch.float16, torch.bfloat16, torch.float64)
-    if not isinstance(arrays, (list, tuple)):
-        return None
-    walked = _C.amp_torch_spans(arrays, _torch_consts)
+    return _torch_consts if isinstance(arrays, (list, tuple)) else None
+
+
+def torch_spans(arrays: Any) -> tuple[Any, str, int] | None:
+    """The common case walked in C (``_C.amp_torch_spans``, csrc/python/amp_torch.c): a list or
+    tuple of plain, dense torch tensors of the kernels' dtypes, all on one device, none
+    overlapping. Returns (spans, device, dtype bits), where the kernel bindings take ``spans``
+    in place of ``triples``; or None for anything else, which ``describe_all`` then walks (and
+    whose errors it raises)."""
+    consts = _walk_consts(arrays)
+    walked = None if consts is None else _C.amp_torch_spans(arrays, consts)
     if walked is None:
         return None
     spans, index, dtype_bits = walked
@@ -233,22 +237,16 @@ def torch_unscale_cpu(arrays: Any, inv_scale: float, want_sumsq: bool) -> tuple[
     """``amp_unscale_check`` of a list of plain CPU torch tensors, walk and kernel in one C call
     (``_C.amp_torch_unscale_check``): (found_inf, sumsq or None, dtype bits); None, with nothing
     written, for any list ``torch_spans`` would not take or whose tensors are not on the CPU."""
-    if _torch_consts is None:
-        torch_spans(())  # (sets the constants once torch is imported)
-    if _torch_consts is None or not isinstance(arrays, (list, tuple)):
-        return None
-    return _C.amp_torch_unscale_check(arrays, _torch_consts, inv_scale, want_sumsq)
+    consts = _walk_consts(arrays)
+    return None if consts is None else _C.amp_torch_unscale_check(arrays, consts, inv_scale, want_sumsq)
 
 
 def torch_unscale_found(arrays: Any, found_inf: Any, inv_scale: Any) -> bool:
     """``non_finite_check_and_unscale_`` in one C call (``_C.amp_torch_unscale_found``) when the
     gradients are plain CPU torch tensors and ``found_inf``/``inv_scale`` one-element float32
     CPU tensors: True when done; False, with nothing written, for anything else."""
-    if _torch_consts is None:
-        torch_spans(())  # (sets the constants once torch is imported)
-    if _torch_consts is None or not isinstance(arrays, (list, tuple)):
-        return False
-    return _C.amp_torch_unscale_found(arrays, _torch_consts, found_inf, inv_scale) is not None
+    consts = _walk_consts(arrays)
+    return consts is not None and _C.amp_torch_unscale_found(arrays, consts, found_inf, inv_scale) is not None
 
 
 def describe_all(arrays: Any, what: str = "grads") -> tuple[list[Ref], list[Any]]:
