@@ -58,15 +58,20 @@ def check_bits(count: int, dtype: torch.dtype, strided: bool, device: str) -> No
 
 def per_call(count: int, dtype: torch.dtype, strided: bool, device: str, reps: int) -> tuple[float, float]:
     """Median microseconds a call: (vramkit, torch)."""
-    sets = [grads_for(count, dtype, strided, device, s) for s in range(4)]
-    f, inv = torch.zeros(1, device=device), torch.ones(1, device=device)  # inv 1: the values stay as they are
+    # Each side walks its own copies of the same gradients: had they shared a list, the second
+    # to run on it would find the tensors in cache that the first had just brought in.
+    sets = {side: [grads_for(count, dtype, strided, device, s) for s in range(4)] for side in ("mine", "theirs")}
+    # A real unscale writes every gradient (inv_scale is 1/scale, not 1): halve, then double, so
+    # the values stay finite over thousands of calls and both sides write on every call.
+    f = torch.zeros(1, device=device)
+    invs = (torch.full((1,), 0.5, device=device), torch.full((1,), 2.0, device=device))
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     mine: list[float] = []
     theirs: list[float] = []
     for i in range(reps):
-        g = sets[i % len(sets)]
-        for fn, out in ((va.non_finite_check_and_unscale_, mine),
-                        (torch._amp_foreach_non_finite_check_and_unscale_, theirs)):
+        for fn, out, side in ((va.non_finite_check_and_unscale_, mine, "mine"),
+                              (torch._amp_foreach_non_finite_check_and_unscale_, theirs, "theirs")):
+            g, inv = sets[side][i % 4], invs[(i // 4) % 2]
             sync()
             t0 = time.perf_counter()
             fn(g, f, inv)

@@ -121,6 +121,7 @@ typedef struct item {
 typedef struct pass {
     const vram_tensor_t *tensors;
     const item_t *items;
+    size_t n_items;
     const vram__amp_path_t *path;
     float factor;
     int write;
@@ -128,9 +129,20 @@ typedef struct pass {
     int found;        /* atomic */
 } pass_t;
 
+/* The first bytes of a later small tensor's elements, asked for now so that their cache
+ * misses overlap this item's work (a large tensor's pieces stream by themselves). */
+static void prefetch_item(const pass_t *p, size_t i) {
+    const item_t *it = &p->items[i];
+    const vram_tensor_t *t = &p->tensors[it->tensor];
+    if (it->start != 0) return;
+    int64_t bytes = it->length * (int64_t)vram_dtype_size(t->dtype);
+    for (int64_t b = 0; b < bytes && b < VRAM_AMP_PREFETCH_BYTES; b += 64) __builtin_prefetch((char *)t->data + b, 0, 3);
+}
+
 static void run_item(void *ctx, size_t i) {
     pass_t *p = (pass_t *)ctx;
     const item_t *it = &p->items[i];
+    if (i + VRAM_AMP_PREFETCH_AHEAD < p->n_items) prefetch_item(p, i + VRAM_AMP_PREFETCH_AHEAD);
     const vram_tensor_t *t = &p->tensors[it->tensor];
     char *base = (char *)t->data + (size_t)it->start * vram_dtype_size(t->dtype);
     double *slot = p->partials ? &p->partials[i] : NULL;
@@ -171,7 +183,7 @@ static vram_status_t run_pass(const vram_tensor_t *tensors, size_t count, float 
             items[k++] = (item_t){(uint32_t)i, s, left < VRAM_AMP_CHUNK ? left : VRAM_AMP_CHUNK};
         }
 
-    pass_t pass = {tensors, items, vram__amp_current_path(), factor, write, partials, 0};
+    pass_t pass = {tensors, items, n_items, vram__amp_current_path(), factor, write, partials, 0};
     int threads = total >= VRAM_AMP_PARALLEL_MIN ? vram_get_num_threads() : 1;
     vram__parallel_for(n_items, run_item, &pass, threads);
 

@@ -112,6 +112,10 @@ vram_status_t vram__amp_check_list(const vram_tensor_t *tensors, size_t count);
  * and strided entry points share it so both round every element the same way. */
 const vram__amp_path_t *vram__amp_current_path(void);
 
+/* How many items ahead the passes prefetch, and how many of an item's first bytes. */
+#define VRAM_AMP_PREFETCH_AHEAD 4
+#define VRAM_AMP_PREFETCH_BYTES 512
+
 /* Below this many elements a call runs on the calling thread: waking workers costs a few
  * microseconds, which only pays off once a pass takes tens of microseconds. */
 #define VRAM_AMP_PARALLEL_MIN (4 * VRAM_AMP_CHUNK)

@@ -92,15 +92,24 @@ static PyObject *read_attr(PyObject *t, int attr) {
     return r;
 }
 
-/* t.<attr>() as a C integer; sets *failed (no exception left) when it is not one. */
-static long long call_int(PyObject *t, int attr, int *failed) {
-    PyObject *r = read_attr(t, attr);
-    long long v = r ? PyLong_AsLongLong(r) : -1;
-    Py_XDECREF(r);
-    if (!r || (v == -1 && PyErr_Occurred())) {
+/* An int as a C integer; sets *failed (no exception left) when it is not one that fits.
+ * (The AndOverflow form: on 3.11 PyLong_AsLongLong takes a byte-array detour for every int
+ * above 2**30, which a data pointer always is.) */
+static long long as_int(PyObject *r, int *failed) {
+    int overflow = 0;
+    long long v = r ? PyLong_AsLongLongAndOverflow(r, &overflow) : -1;
+    if (!r || overflow || (v == -1 && PyErr_Occurred())) {
         PyErr_Clear();
         *failed = 1;
     }
+    return v;
+}
+
+/* t.<attr>() as a C integer; sets *failed (no exception left) when it is not one. */
+static long long call_int(PyObject *t, int attr, int *failed) {
+    PyObject *r = read_attr(t, attr);
+    long long v = as_int(r, failed);
+    Py_XDECREF(r);
     return v;
 }
 
@@ -166,28 +175,44 @@ static int any_overlap(const spans_t *s) {
     return overlap;
 }
 
-/* Read t.shape and t.stride() into dims[0..2*ndim): the number of dimensions, or -1 when they
- * cannot be read or the layout is not one the strided kernels take as it is: more than
- * VRAM_AMP_MAX_DIMS dimensions, a stride that is not positive under a dimension of more than
- * one element (an expanded tensor would be unscaled twice over), or dimensions that overlap
- * (sorted by stride, each stride at least the span of the ones below it). */
-static int read_layout(PyObject *t, int64_t *dims) {
+/* Read t.shape and t.stride() into dims[0..2*ndim) and decide from them what
+ * t.is_contiguous() would say (size-1 dimensions aside, each stride the product of the sizes
+ * after it; an empty tensor counts as contiguous): returns the number of dimensions with
+ * *numel and *dense set, or -1 when they cannot be read or the layout is not one the kernels
+ * take as it is: more than VRAM_AMP_MAX_DIMS dimensions, a stride that is not positive under a
+ * dimension of more than one element (an expanded tensor would be unscaled twice over), or
+ * dimensions that overlap (sorted by stride, each stride at least the span of the ones below). */
+static int read_layout(PyObject *t, int64_t *dims, int64_t *numel, int *dense) {
     PyObject *size = read_attr(t, SHAPE), *stride = size ? read_attr(t, STRIDE) : NULL;
     int nd = -1;
     if (size && stride && PyTuple_Check(size) && PyTuple_Check(stride) &&
         PyTuple_GET_SIZE(size) == PyTuple_GET_SIZE(stride) && PyTuple_GET_SIZE(size) <= VRAM_AMP_MAX_DIMS) {
         nd = (int)PyTuple_GET_SIZE(size);
-        for (int d = 0; d < nd && nd >= 0; d++) {
-            dims[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(size, d));
-            dims[nd + d] = PyLong_AsLongLong(PyTuple_GET_ITEM(stride, d));
-            /* (an empty tensor falls back too: the general walk skips it) */
-            if (PyErr_Occurred() || dims[d] <= 0 || (dims[d] > 1 && dims[nd + d] <= 0)) nd = -1;
+        int failed = 0;
+        for (int d = 0; d < nd; d++) {
+            dims[d] = as_int(PyTuple_GET_ITEM(size, d), &failed);
+            dims[nd + d] = as_int(PyTuple_GET_ITEM(stride, d), &failed);
+            failed |= dims[d] < 0;
         }
+        if (failed) nd = -1;
     }
     PyErr_Clear();
     Py_XDECREF(size);
     Py_XDECREF(stride);
-    if (nd <= 0) return nd;
+    if (nd < 0) return -1;
+    int64_t n = 1, expected = 1;
+    int contiguous = 1;
+    for (int d = nd - 1; d >= 0; d--) {
+        if (__builtin_mul_overflow(n, dims[d], &n)) return -1;
+        if (dims[d] == 1) continue;
+        contiguous = contiguous && dims[nd + d] == expected;
+        if (contiguous && __builtin_mul_overflow(expected, dims[d], &expected)) return -1;
+    }
+    *numel = n;
+    *dense = contiguous || n == 0;
+    if (*dense) return nd;
+    for (int d = 0; d < nd; d++)
+        if (dims[d] > 1 && dims[nd + d] <= 0) return -1;
     /* non-overlapping: with dimensions ordered by stride, each stride reaches past the last
      * element the smaller ones address (insertion sort: at most 64 dimensions) */
     int order[VRAM_AMP_MAX_DIMS];
@@ -250,9 +275,11 @@ static int walk(PyObject *tensors, PyObject *tensor_type, PyObject *const dtypes
     int64_t dims[2 * VRAM_AMP_MAX_DIMS];
     long long device = -2; /* not yet known */
     unsigned mask = 0;
-    int failed = 0, taken = 0;
+    int failed = 0, taken = 0, after_strided = 0;
     for (Py_ssize_t i = 0; i < count && !failed; i++) {
         PyObject *t = PySequence_Fast_GET_ITEM(tensors, i);
+        /* (a later tensor's object, asked for now: its cache miss then overlaps this one's reads) */
+        if (i + 4 < count) __builtin_prefetch(PySequence_Fast_GET_ITEM(tensors, i + 4), 0, 3);
         if ((PyObject *)Py_TYPE(t) != tensor_type) break;
         int code = -1;
         PyObject *dt = read_attr(t, DTYPE);
@@ -268,27 +295,37 @@ static int walk(PyObject *tensors, PyObject *tensor_type, PyObject *const dtypes
         Py_XDECREF(cuda);
         if (failed || dev == -3 || (device != -2 && dev != device)) break;
         device = dev;
-        PyObject *contiguous = read_attr(t, IS_CONTIGUOUS);
-        if (!contiguous) break;
-        int dense = contiguous == Py_True;
-        Py_DECREF(contiguous);
+        /* The layout. Most lists are all dense: is_contiguous() then nbytes, two cheap reads.
+         * After a strided tensor the next is likely strided too: read its shape and strides
+         * first, which also say whether it is contiguous and how many elements it has (five
+         * reads a strided tensor instead of seven; the descriptor calls are the walk's cost). */
+        int dense = -1, nd = 0;
+        int64_t numel = -1;
+        if (!after_strided) {
+            PyObject *contiguous = read_attr(t, IS_CONTIGUOUS);
+            if (!contiguous) break;
+            dense = contiguous == Py_True;
+            Py_DECREF(contiguous);
+        }
+        if (dense != 1 && (nd = read_layout(t, dims, &numel, &dense)) < 0) break;
+        if (!dense && dev >= 0) break; /* the CPU's strided kernels take it in place; CUDA's take dense tensors only */
+        after_strided = !dense;
         /* (sparse, CSR and MKL-DNN tensors have no data pointer: data_ptr() raises, and they fall back) */
         long long ptr = call_int(t, DATA_PTR, &failed);
         if (failed) break;
-        long long nbytes = call_int(t, NBYTES, &failed);
-        if (failed || (ptr == 0 && nbytes != 0)) break; /* (no memory behind it: the general walk decides) */
+        if (dense && numel < 0) {
+            long long nbytes = call_int(t, NBYTES, &failed);
+            if (failed) break;
+            numel = (int64_t)(nbytes / (long long)itemsize[code]);
+        }
+        if (ptr == 0 && numel != 0) break; /* (no memory behind it: the general walk decides) */
         mask |= 1u << code;
         if (dense) {
-            s->items[s->count++] = (vram_tensor_t){(void *)(uintptr_t)ptr,
-                                                   (int64_t)(nbytes / (long long)itemsize[code]), (vram_dtype_t)code};
-        } else { /* the CPU's strided kernels take it in place; CUDA's take dense tensors only */
-            int nd = dev >= 0 ? -1 : read_layout(t, dims);
-            if (nd < 0) break;
-            if (add_strided(s, count, &dims_used, &dims_capacity, (void *)(uintptr_t)ptr, (vram_dtype_t)code, nd,
-                            dims) < 0) {
-                spans_release(s);
-                return -1;
-            }
+            s->items[s->count++] = (vram_tensor_t){(void *)(uintptr_t)ptr, numel, (vram_dtype_t)code};
+        } else if (add_strided(s, count, &dims_used, &dims_capacity, (void *)(uintptr_t)ptr, (vram_dtype_t)code,
+                               nd, dims) < 0) {
+            spans_release(s);
+            return -1;
         }
         taken++;
     }

@@ -81,6 +81,56 @@ def test_dense_and_strided_results_are_torchs_bit_for_bit(dtype, poison):
         assert torch.equal(x.contiguous().view(BITS[dtype]), y.contiguous().view(BITS[dtype]))
 
 
+def layout_zoo(dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """Every layout the C walk and the strided kernel tell apart, shuffled, so that the walk's
+    guess (after a strided tensor, read the shape and strides first) meets each kind after each
+    kind: dense, strided of a few elements, strided across several tiles and several work items
+    (more than VRAM_AMP_CHUNK = 65,536 elements, so a piece starts mid-tensor), rows of whole
+    tiles run in place, channels-last, size-1 dimensions, 0-d and empty tensors."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return (torch.randn(*shape, generator=g) * 100).to(dtype)
+
+    zoo = [r(64), r(8, 16)[:, ::2], r(16, 8).t(), r(300, 512)[:, ::2], r(70, 2048)[:, :1024],
+           r(3, 1000)[:, 1:999], r(2, 3, 5, 5).contiguous(memory_format=torch.channels_last),
+           r(1, 6, 1)[:, ::2], r(()), r(0, 4), r(4, 0)[:, ::2], r(3, 5, 7)[:, 1:4, ::3], r(5)]
+    order = torch.randperm(len(zoo), generator=g).tolist()
+    return [zoo[i] for i in order] + [zoo[i] for i in order[::-1]][:4]  # four again, cloned by the callers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(6))
+def test_every_layout_in_every_order_is_torchs_bit_for_bit(dtype, seed):
+    mine, theirs = layout_zoo(dtype, seed), layout_zoo(dtype, seed)
+    # (the tail repeats four tensors: make them copies, or they would be unscaled twice)
+    for grads in (mine, theirs):
+        grads[-4:] = [x.clone() for x in grads[-4:]]
+    assert _arrays.torch_spans(mine) is not None  # all taken in C
+    if seed % 2:  # a poisoned element in the largest strided tensor, past its first work item
+        big = [i for i, x in enumerate(mine) if x.shape == (300, 256)][0]
+        mine[big][299, 255] = float("inf")
+        theirs[big][299, 255] = float("inf")
+    f_mine, f_theirs = torch.zeros(1), torch.zeros(1)
+    inv = torch.full((1,), 1 / 3)
+    va.non_finite_check_and_unscale_(mine, f_mine, inv)
+    torch._amp_foreach_non_finite_check_and_unscale_(theirs, f_theirs, inv)
+    assert f_mine.item() == f_theirs.item() == float(seed % 2)
+    for x, y in zip(mine, theirs):
+        assert torch.equal(x.contiguous().view(BITS[dtype]), y.contiguous().view(BITS[dtype]))
+
+
+def test_the_sum_of_squares_over_every_layout_matches_float64():
+    grads = layout_zoo(torch.float32, seed=11)
+    grads[-4:] = [x.clone() for x in grads[-4:]]
+    reference = [g.double() * 0.5 for g in grads]
+    found, sumsq, _ = _arrays.torch_unscale_cpu(grads, 0.5, True)
+    assert found is False
+    assert sumsq == pytest.approx(sum(float((r ** 2).sum()) for r in reference), rel=1e-5)
+    for g, r in zip(grads, reference):
+        assert torch.equal(g, r.float())  # x * 0.5 is exact
+
+
 def test_grad_scaler_through_the_c_walk_matches_torchs_and_its_norm():
     """unscale_and_clip_ sums squares over dense and strided gradients through the walk; the
     norm equals a float64 NumPy reference, and the gradients torch's unscale."""
