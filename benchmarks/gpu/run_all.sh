@@ -6,7 +6,7 @@
 # against torch, CuPy and cudaMallocAsync (gpu/alloc.py), vramkit's meta predictions against the GPU's own
 # max_memory_allocated/reserved (gpu/predict_vs_gpu.py), single-rank DDP/FSDP2 runs on NCCL with
 # their allocator histories (gpu/sharded_gpu.py), and fit's largest batch against the real one
-# (gpu/fit_boundary.py). Logs, tables and snapshots go to
+# (gpu/fit_boundary.py), and issue 35's costs in one table (loop_costs.py). Logs, tables and snapshots go to
 # ${OUT:-gpu-results}; the last lines printed are the summary. Fits one 10-minute call of the device tool (the build takes about 2 minutes).
 #
 #     bash benchmarks/gpu/run_all.sh            # full
@@ -59,7 +59,11 @@ cat "$out/amp.md" >> "$out/summary.txt"
 timeout 90 python benchmarks/gpu/alloc.py "${quick[@]}" --json "$out/alloc.json" > "$out/alloc.md" 2>&1
 alloc_rc=$?
 cat "$out/alloc.md" >> "$out/summary.txt"
+# issue 35's figures side by side: host path (CPU and CUDA tensors), kernels, torch through vramkit
+timeout 150 python benchmarks/loop_costs.py "${quick[@]}" --gpu-results "$out" > "$out/loop_costs.md" 2>&1
+loop_rc=$?
+cat "$out/loop_costs.md" >> "$out/summary.txt"
 
 echo "=== summary ==="
 cat "$out/summary.txt"
-exit $(( tests_rc != 0 || bench_rc != 0 || alloc_rc != 0 || predict_rc != 0 || sharded_rc != 0 || fit_rc != 0 ))
+exit $(( tests_rc != 0 || bench_rc != 0 || alloc_rc != 0 || loop_rc != 0 || predict_rc != 0 || sharded_rc != 0 || fit_rc != 0 ))

@@ -374,6 +374,11 @@ vram_status_t vram__backend_sim_ctx_sharing(void *device_ctx, void **ctx);
  * the private pool owning a live pointer (1 if found). Lock order: registry, mempools, pool. */
 vram_status_t vram__mempool_get(vram_device_t name, vram_pool_t **out);
 int vram__mempool_owner(const void *ptr, vram_pool_t **out);
+/* Whether this thread is inside any vram_mempool_use (then allocations may go elsewhere). */
+int vram__mempools_in_use(void);
+/* The device's own pool if it has been made, else NULL; takes no lock (pools are never
+ * destroyed), for the hot path of torch's hooks. */
+vram_pool_t *vram__known_pool(int kind, int index);
 
 /* oom.c (pool lock held) */
 vram_status_t vram__report_oom(vram_pool_t *pool, uint64_t requested, uint64_t segment_size,

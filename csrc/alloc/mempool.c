@@ -143,6 +143,8 @@ vram_pool_t *vram_mempool_in_use(vram_device_t device) {
     return NULL;
 }
 
+int vram__mempools_in_use(void) { return thread_depth > 0; }
+
 vram_status_t vram_alloc_pool(vram_device_t device, vram_pool_t **out) {
     vram_pool_t *in_use = device.mempool == 0 ? vram_mempool_in_use(device) : NULL;
     if (in_use) {

@@ -6,6 +6,7 @@
 #include "internal.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,6 +19,24 @@ static vram_pool_t **cuda_pools; /* indexed by device, sized on first use */
 static int num_cuda = -1;
 static vram_pool_t **sim_pools;
 static int num_sim, cap_sim;
+
+/* Pools are never destroyed, so one already made can be found without the registry lock:
+ * every allocation torch makes through vramkit looks its pool up twice (alloc and free), and
+ * the lock was two fifths of what the torch hooks added to an alloc+free pair. */
+#define FAST_SLOTS 64
+static _Atomic(vram_pool_t *) fast_cpu, fast_cuda[FAST_SLOTS], fast_sim[FAST_SLOTS];
+
+/* (The fields one by one: read as a pair from the struct the caller passed, they cost a
+ * store-forwarding stall that was half of this lookup.) */
+static _Atomic(vram_pool_t *) *fast_slot(int kind, int index) {
+    if (index < 0 || index >= FAST_SLOTS) return NULL;
+    switch (kind) {
+    case VRAM_DEVICE_CPU: return &fast_cpu;
+    case VRAM_DEVICE_CUDA: return &fast_cuda[index];
+    case VRAM_DEVICE_SIM: return &fast_sim[index];
+    default: return NULL;
+    }
+}
 
 #define DEVICE_FORMS "'cpu', 'cuda', 'cuda:N' or 'sim:N' (a simulated device made by vramkit.sim.create), " \
                      "optionally followed by '/mempool:N' (a private pool made by vramkit.MemPool)"
@@ -128,9 +147,20 @@ static vram_status_t cuda_get(int index, vram_pool_t **out) {
     return VRAM_OK;
 }
 
+vram_pool_t *vram__known_pool(int kind, int index) {
+    _Atomic(vram_pool_t *) *slot = fast_slot(kind, index);
+    return slot ? atomic_load_explicit(slot, memory_order_acquire) : NULL;
+}
+
 vram_status_t vram_device_pool(vram_device_t device, vram_pool_t **out) {
     *out = NULL;
     if (device.mempool != 0) return vram__mempool_get(device, out);
+    _Atomic(vram_pool_t *) *slot = fast_slot((int)device.kind, device.index);
+    vram_pool_t *known = vram__known_pool((int)device.kind, device.index);
+    if (known) {
+        *out = known;
+        return VRAM_OK;
+    }
     vram_status_t status;
     vram__lock(&registry_lock);
     switch (device.kind) {
@@ -150,6 +180,7 @@ vram_status_t vram_device_pool(vram_device_t device, vram_pool_t **out) {
     default: status = vram__fail(VRAM_ERR_INVALID_ARG, "unknown device kind %d", (int)device.kind);
     }
     vram__unlock(&registry_lock);
+    if (status == VRAM_OK && slot) atomic_store_explicit(slot, *out, memory_order_release);
     return status;
 }
 

@@ -16,46 +16,7 @@
  * errors; so this file never raises for a bad list, and a refused list changes nothing. */
 #include <string.h>
 
-#include "module.h"
-
-#define SPANS_CAPSULE "vramkit.amp_spans"
-
-typedef struct spans {
-    Py_ssize_t count; /* dense tensors, in items */
-    vram_tensor_t *items;
-    Py_ssize_t strided_count; /* the rest (CPU only), with their shapes and strides in dims */
-    vram_strided_tensor_t *strided;
-    int64_t *dims;
-} spans_t;
-
-static void spans_release(spans_t *s) {
-    if (!s) return;
-    PyMem_Free(s->items);
-    PyMem_Free(s->strided);
-    PyMem_Free(s->dims);
-    PyMem_Free(s);
-}
-
-static void spans_free(PyObject *capsule) { spans_release(PyCapsule_GetPointer(capsule, SPANS_CAPSULE)); }
-
-/* The dense spans a capsule from amp_torch_spans holds, or NULL (no exception) if `obj` is not
- * one; *strided_count says how many strided tensors it holds besides (vk_amp_strided_spans). */
-const vram_tensor_t *vk_amp_spans(PyObject *obj, Py_ssize_t *count, Py_ssize_t *strided_count) {
-    if (!PyCapsule_IsValid(obj, SPANS_CAPSULE)) return NULL;
-    spans_t *s = PyCapsule_GetPointer(obj, SPANS_CAPSULE);
-    *count = s->count;
-    *strided_count = s->strided_count;
-    return s->items;
-}
-
-const vram_strided_tensor_t *vk_amp_strided_spans(PyObject *obj, Py_ssize_t *count) {
-    if (!PyCapsule_IsValid(obj, SPANS_CAPSULE)) return NULL;
-    spans_t *s = PyCapsule_GetPointer(obj, SPANS_CAPSULE);
-    *count = s->strided_count;
-    return s->strided;
-}
-
-static const size_t itemsize[] = {[VRAM_FLOAT32] = 4, [VRAM_FLOAT16] = 2, [VRAM_BFLOAT16] = 2, [VRAM_FLOAT64] = 8};
+#include "amp_spans.h"
 
 /* The attributes read, looked up once on torch.Tensor and called as descriptors: a getset's
  * __get__ or a method descriptor's vectorcall with the tensor as self, without the attribute
@@ -113,68 +74,6 @@ static long long call_int(PyObject *t, int attr, int *failed) {
     return v;
 }
 
-typedef struct span_order {
-    uintptr_t start, end;
-} span_order_t;
-
-/* Sort by start, bottom-up merge sort through `tmp` (qsort's comparator calls were a tenth of
- * the walk); returns the array that holds the result. */
-static span_order_t *sort_by_start(span_order_t *a, span_order_t *tmp, Py_ssize_t n) {
-    for (Py_ssize_t width = 1; width < n; width *= 2) {
-        for (Py_ssize_t lo = 0; lo < n; lo += 2 * width) {
-            Py_ssize_t mid = lo + width < n ? lo + width : n, hi = lo + 2 * width < n ? lo + 2 * width : n;
-            Py_ssize_t i = lo, j = mid, k = lo;
-            while (i < mid && j < hi) tmp[k++] = a[j].start < a[i].start ? a[j++] : a[i++];
-            while (i < mid) tmp[k++] = a[i++];
-            while (j < hi) tmp[k++] = a[j++];
-        }
-        span_order_t *swap = a;
-        a = tmp;
-        tmp = swap;
-    }
-    return a;
-}
-
-/* The byte range [start, end) a strided tensor's elements lie in (strides are positive here). */
-static span_order_t strided_range(const vram_strided_tensor_t *t) {
-    uintptr_t high = 0;
-    for (int32_t d = 0; d < t->ndim; d++) high += (uintptr_t)(t->strides[d] * (t->shape[d] - 1));
-    uintptr_t start = (uintptr_t)t->data;
-    return (span_order_t){start, start + (high + 1) * itemsize[t->dtype]};
-}
-
-/* 1 if two tensors share a byte (an element would be unscaled twice), else 0; -1 out of memory.
- * A strided tensor counts as the whole range it spans, as the general walk counts it. */
-static int any_overlap(const spans_t *s) {
-    Py_ssize_t total = s->count + s->strided_count;
-    span_order_t *o = PyMem_New(span_order_t, 2 * (size_t)total + 1);
-    if (!o) return -1;
-    Py_ssize_t n = 0;
-    for (Py_ssize_t i = 0; i < s->count; i++) {
-        const vram_tensor_t *t = &s->items[i];
-        if (t->numel <= 0) continue;
-        uintptr_t start = (uintptr_t)t->data;
-        o[n++] = (span_order_t){start, start + (uintptr_t)t->numel * itemsize[t->dtype]};
-    }
-    for (Py_ssize_t i = 0; i < s->strided_count; i++) o[n++] = strided_range(&s->strided[i]);
-    /* A model's gradients usually come in address order, ascending or (allocated during the
-     * backward, last layer first) descending: then one pass decides, else sort. */
-    int ascending = 1, descending = 1;
-    for (Py_ssize_t i = 1; i < n && (ascending || descending); i++) {
-        ascending = ascending && o[i].start >= o[i - 1].end;
-        descending = descending && o[i].end <= o[i - 1].start;
-    }
-    if (ascending || descending) {
-        PyMem_Free(o);
-        return 0;
-    }
-    const span_order_t *sorted = sort_by_start(o, o + total, n);
-    int overlap = 0;
-    for (Py_ssize_t i = 1; i < n && !overlap; i++) overlap = sorted[i].start < sorted[i - 1].end;
-    PyMem_Free(o);
-    return overlap;
-}
-
 /* Read t.shape and t.stride() into dims[0..2*ndim) and decide from them what
  * t.is_contiguous() would say (size-1 dimensions aside, each stride the product of the sizes
  * after it; an empty tensor counts as contiguous): returns the number of dimensions with
@@ -210,68 +109,20 @@ static int read_layout(PyObject *t, int64_t *dims, int64_t *numel, int *dense) {
     }
     *numel = n;
     *dense = contiguous || n == 0;
-    if (*dense) return nd;
-    for (int d = 0; d < nd; d++)
-        if (dims[d] > 1 && dims[nd + d] <= 0) return -1;
-    /* non-overlapping: with dimensions ordered by stride, each stride reaches past the last
-     * element the smaller ones address (insertion sort: at most 64 dimensions) */
-    int order[VRAM_AMP_MAX_DIMS];
-    for (int d = 0; d < nd; d++) {
-        int k = d;
-        while (k > 0 && dims[nd + order[k - 1]] > dims[nd + d]) {
-            order[k] = order[k - 1];
-            k--;
-        }
-        order[k] = d;
-    }
-    int64_t reach = 0; /* the largest offset the dimensions so far address */
-    for (int k = 0; k < nd; k++) {
-        int d = order[k];
-        if (dims[d] <= 1) continue;
-        if (dims[nd + d] <= reach) return -1;
-        reach += dims[nd + d] * (dims[d] - 1);
-    }
-    return nd;
-}
-
-/* Append a strided tensor to s (its dims copied): 0, or -1 out of memory (exception set). */
-static int add_strided(spans_t *s, Py_ssize_t capacity, Py_ssize_t *dims_used, Py_ssize_t *dims_capacity,
-                       void *ptr, vram_dtype_t dtype, int nd, const int64_t *dims) {
-    if (!s->strided && !(s->strided = PyMem_New(vram_strided_tensor_t, (size_t)capacity))) goto nomem;
-    if (*dims_used + 2 * nd > *dims_capacity) {
-        Py_ssize_t grown = 2 * *dims_capacity + 2 * nd;
-        int64_t *bigger = PyMem_Realloc(s->dims, (size_t)grown * sizeof(int64_t));
-        if (!bigger) goto nomem;
-        s->dims = bigger;
-        *dims_capacity = grown;
-    }
-    memcpy(s->dims + *dims_used, dims, 2 * (size_t)nd * sizeof(int64_t));
-    /* (the shape and strides pointers are set once every tensor is in: dims may move) */
-    s->strided[s->strided_count++] = (vram_strided_tensor_t){ptr, dtype, nd, (const int64_t *)(intptr_t)*dims_used,
-                                                            NULL};
-    *dims_used += 2 * nd;
-    return 0;
-nomem:
-    PyErr_NoMemory();
-    return -1;
+    return *dense || vk_spans_layout_ok(dims, nd) ? nd : -1;
 }
 
 /* Walk `tensors`: 0 with *out the spans (device and dtype bits set), 0 with *out NULL when
  * the list is one the general walk must take, -1 with an exception (out of memory). */
-static int walk(PyObject *tensors, PyObject *tensor_type, PyObject *const dtypes[4], spans_t **out,
+static int walk(PyObject *tensors, PyObject *tensor_type, PyObject *const dtypes[4], vk_spans_t **out,
                 long long *device_out, unsigned *mask_out) {
     *out = NULL;
     if (look_up(tensor_type) < 0) return -1;
     if (!PyList_CheckExact(tensors) && !PyTuple_CheckExact(tensors)) return 0;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(tensors);
     if (count == 0) return 0;
-    spans_t *s = PyMem_Calloc(1, sizeof(spans_t));
-    if (!s || !(s->items = PyMem_New(vram_tensor_t, (size_t)count))) {
-        spans_release(s);
-        PyErr_NoMemory();
-        return -1;
-    }
-    Py_ssize_t dims_used = 0, dims_capacity = 0;
+    vk_spans_t *s = vk_spans_new(count);
+    if (!s) return -1;
     int64_t dims[2 * VRAM_AMP_MAX_DIMS];
     long long device = -2; /* not yet known */
     unsigned mask = 0;
@@ -316,38 +167,24 @@ static int walk(PyObject *tensors, PyObject *tensor_type, PyObject *const dtypes
         if (dense && numel < 0) {
             long long nbytes = call_int(t, NBYTES, &failed);
             if (failed) break;
-            numel = (int64_t)(nbytes / (long long)itemsize[code]);
+            numel = (int64_t)(nbytes / (long long)vk_itemsize[code]);
         }
         if (ptr == 0 && numel != 0) break; /* (no memory behind it: the general walk decides) */
         mask |= 1u << code;
         if (dense) {
             s->items[s->count++] = (vram_tensor_t){(void *)(uintptr_t)ptr, numel, (vram_dtype_t)code};
-        } else if (add_strided(s, count, &dims_used, &dims_capacity, (void *)(uintptr_t)ptr, (vram_dtype_t)code,
-                               nd, dims) < 0) {
-            spans_release(s);
+        } else if (vk_spans_add_strided(s, (void *)(uintptr_t)ptr, (vram_dtype_t)code, nd, dims) < 0) {
+            vk_spans_release(s);
             return -1;
         }
         taken++;
     }
     if (taken != count) { /* an item the walk does not take: the general walk decides (and raises) */
-        spans_release(s);
+        vk_spans_release(s);
         return 0;
     }
-    for (Py_ssize_t i = 0; i < s->strided_count; i++) { /* dims stays where it is from here on */
-        vram_strided_tensor_t *st = &s->strided[i];
-        Py_ssize_t at = (Py_ssize_t)(intptr_t)st->shape;
-        st->shape = s->dims + at;
-        st->strides = s->dims + at + st->ndim;
-    }
-    int overlap = any_overlap(s);
-    if (overlap != 0) {
-        spans_release(s);
-        if (overlap < 0) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        return 0;
-    }
+    int ready = vk_spans_finish(s);
+    if (ready <= 0) return ready; /* (released: overlapping, for the general walk; or out of memory) */
     *out = s;
     *device_out = device;
     *mask_out = mask;
@@ -366,32 +203,16 @@ static int parse_consts(PyObject *consts, PyObject **tensor_type, PyObject *dtyp
 static PyObject *amp_torch_spans(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *tensors, *consts, *tensor_type, *dtypes[4];
-    spans_t *s;
+    vk_spans_t *s;
     long long device;
     unsigned mask;
     if (!PyArg_ParseTuple(args, "OO!:amp_torch_spans", &tensors, &PyTuple_Type, &consts) ||
         parse_consts(consts, &tensor_type, dtypes) < 0 || walk(tensors, tensor_type, dtypes, &s, &device, &mask) < 0)
         return NULL;
     if (!s) Py_RETURN_NONE;
-    PyObject *capsule = PyCapsule_New(s, SPANS_CAPSULE, spans_free);
-    if (!capsule) {
-        spans_release(s);
-        return NULL;
-    }
+    PyObject *capsule = vk_spans_capsule(s);
+    if (!capsule) return NULL;
     return Py_BuildValue("(NLI)", capsule, device, mask);
-}
-
-/* The CPU unscale of walked spans, dense then strided (their layouts were checked in the walk,
- * so the strided ones are not refused once the dense ones are written). Without the GIL. */
-static vram_status_t unscale_spans(const spans_t *s, float inv_scale, float *found, double *sumsq) {
-    double strided_sumsq = 0.0;
-    vram_status_t st = vram_amp_unscale_check(s->items, (size_t)s->count, inv_scale, found, sumsq);
-    if (st == VRAM_OK && s->strided_count) {
-        st = vram_amp_unscale_check_strided(s->strided, (size_t)s->strided_count, inv_scale, found,
-                                            sumsq ? &strided_sumsq : NULL);
-        if (sumsq) *sumsq += strided_sumsq;
-    }
-    return st;
 }
 
 /* _C.amp_torch_unscale_check(tensors, consts, inv_scale, want_sumsq) -> (found_inf, sumsq or None, dtypes)
@@ -402,7 +223,7 @@ static PyObject *amp_torch_unscale_check(PyObject *self, PyObject *args) {
     PyObject *tensors, *consts, *tensor_type, *dtypes[4];
     float inv_scale;
     int want_sumsq;
-    spans_t *s;
+    vk_spans_t *s;
     long long device;
     unsigned mask;
     if (!PyArg_ParseTuple(args, "OO!fp:amp_torch_unscale_check", &tensors, &PyTuple_Type, &consts, &inv_scale,
@@ -410,17 +231,12 @@ static PyObject *amp_torch_unscale_check(PyObject *self, PyObject *args) {
         parse_consts(consts, &tensor_type, dtypes) < 0 || walk(tensors, tensor_type, dtypes, &s, &device, &mask) < 0)
         return NULL;
     if (!s || device != -1) {
-        spans_release(s);
+        vk_spans_release(s);
         Py_RETURN_NONE;
     }
     float found = 0.0f;
     double sumsq = 0.0;
-    vram_status_t st;
-    Py_BEGIN_ALLOW_THREADS
-    st = unscale_spans(s, inv_scale, &found, want_sumsq ? &sumsq : NULL);
-    Py_END_ALLOW_THREADS
-    spans_release(s);
-    if (st != VRAM_OK) return vk_raise(st);
+    if (vk_spans_unscale(s, inv_scale, &found, want_sumsq ? &sumsq : NULL) < 0) return NULL;
     PyObject *flag = found != 0.0f ? Py_True : Py_False;
     if (want_sumsq) return Py_BuildValue("(OdI)", flag, sumsq, mask);
     return Py_BuildValue("(OOI)", flag, Py_None, mask);
@@ -447,7 +263,7 @@ static float *cpu_scalar(PyObject *t, PyObject *tensor_type, PyObject *float32) 
 static PyObject *amp_torch_unscale_found(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *tensors, *consts, *tensor_type, *dtypes[4], *found_obj, *inv_obj;
-    spans_t *s;
+    vk_spans_t *s;
     long long device;
     unsigned mask;
     if (!PyArg_ParseTuple(args, "OO!OO:amp_torch_unscale_found", &tensors, &PyTuple_Type, &consts, &found_obj,
@@ -459,16 +275,11 @@ static PyObject *amp_torch_unscale_found(PyObject *self, PyObject *args) {
     if (!inv_ptr) Py_RETURN_NONE;
     if (walk(tensors, tensor_type, dtypes, &s, &device, &mask) < 0) return NULL;
     if (!s || device != -1) {
-        spans_release(s);
+        vk_spans_release(s);
         Py_RETURN_NONE;
     }
     float found = 0.0f, inv_scale = *inv_ptr;
-    vram_status_t st;
-    Py_BEGIN_ALLOW_THREADS
-    st = unscale_spans(s, inv_scale, &found, NULL);
-    Py_END_ALLOW_THREADS
-    spans_release(s);
-    if (st != VRAM_OK) return vk_raise(st);
+    if (vk_spans_unscale(s, inv_scale, &found, NULL) < 0) return NULL;
     if (found != 0.0f) *found_ptr = 1.0f;
     Py_RETURN_TRUE;
 }

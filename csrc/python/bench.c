@@ -115,6 +115,71 @@ static PyObject *bench_malloc_pairs(PyObject *self, PyObject *args) {
     return bench_end(&run, 1);
 }
 
+/* In csrc/torch/bench_glue.cpp: vramkit's torch hooks alone (mode 1) or inside the
+ * bookkeeping torch's CUDAPluggableAllocator does around them (mode 2), ns per pair. */
+vram_status_t vram__bench_torch_glue(const uint64_t *sizes, size_t n, int mode, double *ns_out);
+
+/* bench_torch_glue_pairs(device, sizes, passes) -> ([direct], [hooks], [hooks + torch's
+ * bookkeeping]), ns per pair per pass: what vramkit as torch's allocator costs, layer by layer,
+ * with the hooks routed to `device` (a simulated device; or "cuda:0" to a real one). The three
+ * loops run in turn within each pass, their order rotating. The route is set back to the real
+ * devices ("cuda", the default) afterwards. */
+static PyObject *bench_torch_glue_pairs(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *device;
+    PyObject *sizes_obj;
+    int passes;
+    vram_device_t target;
+    if (!PyArg_ParseTuple(args, "sOi:bench_torch_glue_pairs", &device, &sizes_obj, &passes)) return NULL;
+    if (vram_device_parse(device, &target) != VRAM_OK || (target.kind != VRAM_DEVICE_SIM && target.kind != VRAM_DEVICE_CUDA))
+        return PyErr_Format(PyExc_ValueError,
+                            "bench_torch_glue_pairs takes a simulated device (\"sim:N\") or \"cuda:0\"; got %R",
+                            PyTuple_GET_ITEM(args, 0));
+    if (target.kind == VRAM_DEVICE_CUDA && target.index != 0)
+        return PyErr_Format(PyExc_ValueError, "bench_torch_glue_pairs measures cuda:0 only; got %s", device);
+    /* torch asks for cuda:0 (device index 0); the route sends it to `device` */
+    vram_status_t status = target.kind == VRAM_DEVICE_SIM ? vram_torch_route(device) : vram_torch_route("cuda");
+    if (status != VRAM_OK) return vk_raise(status);
+    vram_pool_t *pool;
+    bench_run_t runs[3];
+    int begun = 0;
+    status = vram_alloc_pool(target, &pool);
+    if (status != VRAM_OK) goto out;
+    for (; begun < 3; begun++)
+        if (bench_begin(&runs[begun], sizes_obj, passes) != 0) goto out;
+    Py_BEGIN_ALLOW_THREADS for (int p = 0; p < runs[0].passes && status == VRAM_OK; p++) {
+        for (int k = 0; k < 3 && status == VRAM_OK; k++) {
+            int mode = (p + k) % 3;
+            bench_run_t *r = &runs[mode];
+            if (mode == 0) {
+                uint64_t start = vram__now_ns();
+                for (Py_ssize_t i = 0; i < r->n && status == VRAM_OK; i++) {
+                    void *ptr;
+                    status = vram_malloc(pool, r->sizes[i], 0, 0, &ptr);
+                    if (status == VRAM_OK) status = vram_free(pool, ptr, 0);
+                }
+                r->ns[p] = per_pair(start, r->n);
+            } else {
+                status = vram__bench_torch_glue(r->sizes, (size_t)r->n, mode, &r->ns[p]);
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS;
+out:
+    if (vram_torch_route("cuda") != VRAM_OK && status == VRAM_OK) status = VRAM_ERR_INVALID_ARG;
+    if (begun < 3 || status != VRAM_OK) {
+        for (int k = 0; k < begun; k++) bench_end(&runs[k], 0);
+        return status != VRAM_OK ? vk_raise(status) : NULL;
+    }
+    PyObject *lists[3];
+    for (int k = 0; k < 3; k++) lists[k] = bench_end(&runs[k], 1);
+    if (!lists[0] || !lists[1] || !lists[2]) {
+        for (int k = 0; k < 3; k++) Py_XDECREF(lists[k]);
+        return NULL;
+    }
+    return Py_BuildValue("(NNN)", lists[0], lists[1], lists[2]);
+}
+
 #ifdef VRAMKIT_WITH_CUDA
 /* bench_cuda_async_pairs(device_index, sizes, passes) -> [ns per cudaMallocAsync+cudaFreeAsync
  * pair] on the legacy default stream and the device's default memory pool, its release threshold
@@ -159,6 +224,9 @@ static PyMethodDef methods[] = {
      "bench_pool_pairs(device, sizes_u64, passes) -> ns per malloc+free pair, per pass"},
     {"bench_malloc_pairs", bench_malloc_pairs, METH_VARARGS,
      "bench_malloc_pairs(sizes_u64, passes) -> ns per glibc malloc+free pair, per pass"},
+    {"bench_torch_glue_pairs", bench_torch_glue_pairs, METH_VARARGS,
+     "bench_torch_glue_pairs(device, sizes_u64, passes) -> ([direct], [torch hooks], [hooks + torch's bookkeeping]) ns "
+     "per pair, per pass"},
 #ifdef VRAMKIT_WITH_CUDA
     {"bench_cuda_async_pairs", bench_cuda_async_pairs, METH_VARARGS,
      "bench_cuda_async_pairs(device_index, sizes_u64, passes) -> ns per cudaMallocAsync+cudaFreeAsync pair, per pass"},

@@ -44,6 +44,7 @@ int vk_bench_init(PyObject *module);    /* bench.c: C-level benchmark loops */
 int vk_cuda_tools_init(PyObject *module); /* cuda_tools.c: test helpers for CUDA memory */
 int vk_amp_init(PyObject *module);        /* amp.c: loss-scaling kernels */
 int vk_amp_torch_init(PyObject *module);  /* amp_torch.c: their tensor walk for plain torch tensors, in C */
+int vk_amp_numpy_init(PyObject *module);  /* amp_numpy.c: their walk for NumPy arrays, in C */
 /* amp_torch.c: the dense spans a capsule from _C.amp_torch_spans holds (and how many strided
  * tensors it holds besides), or NULL (no exception) when `obj` is not one; its strided tensors */
 const vram_tensor_t *vk_amp_spans(PyObject *obj, Py_ssize_t *count, Py_ssize_t *strided_count);

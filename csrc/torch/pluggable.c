@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "vramkit.h"
+#include "../alloc/internal.h"
 #include "../util/error.h"
 
 /* Where requests for cuda:N go: VRAM_DEVICE_CUDA (the device itself), or a simulated device
@@ -26,9 +27,16 @@ void vram_torch_set_context_hook(vram_torch_context_fn hook) {
 }
 
 static vram_status_t pool_for(int device, vram_pool_t **out) {
-    vram_device_t target = {VRAM_DEVICE_CUDA, device, 0};
     int kind = atomic_load_explicit(&route_kind, memory_order_acquire);
-    if (kind != VRAM_DEVICE_CUDA) target = (vram_device_t){(vram_device_kind_t)kind, atomic_load(&route_index), 0};
+    int index = kind == VRAM_DEVICE_CUDA ? device : atomic_load(&route_index);
+    /* The common case without building a vram_device_t: the pool exists and this thread is in
+     * no private pool (a struct built here and passed by value cost a store-forwarding stall). */
+    vram_pool_t *known = device >= 0 && !vram__mempools_in_use() ? vram__known_pool(kind, index) : NULL;
+    if (known) {
+        *out = known;
+        return VRAM_OK;
+    }
+    vram_device_t target = {(vram_device_kind_t)kind, index, 0};
     if (device < 0)
         return vram__fail(VRAM_ERR_INVALID_ARG, "torch asked vramkit for memory on CUDA device %d, which does not exist",
                           device);

@@ -262,3 +262,44 @@ def test_amp_host_benchmark_checks_bits_and_times_both_sides():
         assert mine > 0 and theirs > 0
     mine, theirs = bench.mlp_step_times(3, "cpu", reps=4)
     assert mine > 0 and theirs > 0
+
+
+# ---- benchmarks/torch_glue.py and loop_costs.py: vramkit in the training loop (issue 35) -----------
+
+
+def _bench(name: str):
+    spec = importlib.util.spec_from_file_location(f"_vramkit_bench_{name}", os.path.join(REPO, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_torch_glue_measures_three_layers_and_leaves_the_route_on_the_real_devices():
+    import vramkit
+    from vramkit.torch.allocator import hooks
+
+    r = _bench("torch_glue").measure("sim", 200, 2)
+    assert 0 < r["direct"] and 0 < r["hooks"] and 0 < r["hooks_and_bookkeeping"]
+    assert r["device"].startswith("sim:")
+    # the bench routes cuda:0 to the simulated device for its loops only; afterwards a request
+    # for cuda:0 goes to the real devices again (none here: it fails, naming CUDA)
+    lib = hooks()
+    import ctypes
+
+    out = ctypes.c_void_p()
+    status = lib.vram_torch_malloc(64, 0, None, ctypes.byref(out))
+    assert status != 0 and b"cuda" in lib.vram_last_error().lower()
+    assert vramkit.memory_allocated(r["device"]) == 0  # every pair freed what it took
+    with pytest.raises(ValueError, match="simulated device"):
+        from vramkit import _C
+
+        _C.bench_torch_glue_pairs("cpu", bytes(8), 1)
+
+
+def test_loop_costs_prints_one_row_per_target():
+    pytest.importorskip("torch")
+    bench = _bench("loop_costs")
+    rows = bench.glue_rows(quick=True)
+    assert [r["part"] for r in rows] == ["3 allocator", "3 allocator"]
+    assert rows[0]["cost"] > 0 and rows[0]["met"] in (True, False) and rows[1]["met"] is None
+    assert bench.gpu_rows(quick=True) == []  # no GPU here: no GPU rows, and no failure either

@@ -249,6 +249,33 @@ def torch_unscale_found(arrays: Any, found_inf: Any, inv_scale: Any) -> bool:
     return consts is not None and _C.amp_torch_unscale_found(arrays, consts, found_inf, inv_scale) is not None
 
 
+def cpu_unscale_fast(arrays: Any, inv_scale: float, want_sumsq: bool) -> tuple[bool, float | None] | None:
+    """``amp_unscale_check`` in one C call when ``arrays`` is a list or tuple of plain CPU torch
+    tensors (``torch_unscale_cpu``) or of NumPy arrays (``_C.amp_numpy_unscale_check``,
+    csrc/python/amp_numpy.c): (found_inf, sumsq or None); None, with nothing written, for any
+    other list, which ``describe_all`` then walks (and whose errors it raises)."""
+    if not isinstance(arrays, (list, tuple)):
+        return None
+    if "numpy" in sys.modules:
+        done = _C.amp_numpy_unscale_check(arrays, inv_scale, want_sumsq)
+        if done is not None:
+            return done
+    walked = torch_unscale_cpu(arrays, inv_scale, want_sumsq)
+    return None if walked is None else (walked[0], walked[1])
+
+
+def cpu_spans(arrays: Any) -> Any:
+    """The spans of a list or tuple of NumPy arrays or plain CPU torch tensors, walked in C, for
+    the kernel bindings; None for any other list."""
+    if not isinstance(arrays, (list, tuple)):
+        return None
+    spans = _C.amp_numpy_spans(arrays) if "numpy" in sys.modules else None
+    if spans is None:
+        walked = torch_spans(arrays)
+        spans = walked[0] if walked is not None and walked[1] == "cpu" else None
+    return spans
+
+
 def describe_all(arrays: Any, what: str = "grads") -> tuple[list[Ref], list[Any]]:
     """Refs for a list of arrays, all on one device and not overlapping."""
     if isinstance(arrays, (str, bytes)) or not hasattr(arrays, "__iter__"):

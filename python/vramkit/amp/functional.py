@@ -44,6 +44,9 @@ def unscale_(grads: Iterable[Any], inv_scale: float, *, stream: int | None = Non
     One fused pass per call. On CUDA this waits for the result (it returns a bool); use
     ``non_finite_check_and_unscale_`` to stay asynchronous.
     """
+    fast = _arrays.cpu_unscale_fast(grads, float(inv_scale), False)  # NumPy or CPU torch: one C call
+    if fast is not None:
+        return fast[0]
     refs, keep = _arrays.describe_all(grads)
     if not refs:
         return False
@@ -59,6 +62,9 @@ def unscale_(grads: Iterable[Any], inv_scale: float, *, stream: int | None = Non
 
 def unscale_and_norm_(grads: Iterable[Any], inv_scale: float) -> tuple[bool, float]:
     """Unscale in place and return (found_inf, L2 norm of the unscaled gradients), one pass."""
+    fast = _arrays.cpu_unscale_fast(grads, float(inv_scale), True)  # NumPy or CPU torch: one C call
+    if fast is not None:
+        return fast[0], math.sqrt(fast[1] or 0.0)
     refs, keep = _arrays.describe_all(grads)
     if not refs:
         return False, 0.0
@@ -74,6 +80,10 @@ def unscale_and_norm_(grads: Iterable[Any], inv_scale: float) -> tuple[bool, flo
 
 def scale_(grads: Iterable[Any], factor: float) -> None:
     """Multiply every gradient by ``factor`` in place (the clip multiply); float32 math."""
+    spans = _arrays.cpu_spans(grads)  # NumPy or CPU torch, walked in C
+    if spans is not None:
+        _C.amp_scale_inplace(spans, float(factor))
+        return
     refs, keep = _arrays.describe_all(grads)
     if not refs:
         return
