@@ -93,6 +93,10 @@ class Attempt:
     error: str = ""  # the first line of the OOM message
     matched: str = ""  # which rule recognised the OOM (see out_of_memory_rule)
     leaked: int = 0  # bytes still allocated after the attempt and its cleanup, beyond what was before
+    # In a distributed search: this rank's own outcome ("outcome" is the worst of all ranks'),
+    # and the largest peak reserved of any rank ("peak_reserved" is this rank's). Else "" and None.
+    local_outcome: str = ""
+    job_peak_reserved: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -195,7 +199,8 @@ def _candidates(effective: int | None, multiple_of: int, limit: int) -> list[int
 
 def find_batch_size(step: Callable[[int], Any], *, start: int = 1, max_batch_size: int = 1 << 16,
                     margin: float = 0.0, device: Any = None, effective_batch_size: int | None = None,
-                    multiple_of: int = 1, on_attempt: Callable[[Attempt], None] | None = None) -> BatchSizeResult:
+                    multiple_of: int = 1, on_attempt: Callable[[Attempt], None] | None = None,
+                    process_group: Any = "auto", timeout: float = 1800.0) -> BatchSizeResult:
     """Call ``step(batch_size)`` for growing sizes and return the largest that fits.
 
     `step` runs one or a few representative training steps at that size; an out-of-memory
@@ -205,6 +210,13 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1, max_batch_siz
     current CUDA device if torch is imported and has one, else vramkit's default device.
     `margin`: the fraction of the device to keep free at the peak. `effective_batch_size`:
     try only sizes dividing it (and `multiple_of`). `on_attempt` is called after each try.
+
+    Under torchrun (torch.distributed initialized, more than one rank) every rank of
+    `process_group` ("auto": the job's default group; None: this process alone) must call it with
+    the same arguments: the ranks are capped to the same headroom, agree on each attempt's outcome
+    (the worst of any rank), empty their caches together and return the same answer; a rank that
+    waits more than `timeout` seconds for the others raises instead of hanging
+    (``vramkit.survive.batch_agree``).
     """
     if not callable(step):
         raise TypeError(f"step must be callable (batch_size -> anything), got {type(step).__name__}")
@@ -225,13 +237,27 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1, max_batch_siz
     if cands is not None and not cands:
         raise ValueError(f"no batch size up to {max_batch_size} divides effective_batch_size={effective_batch_size} "
                          f"and is a multiple of {multiple_of}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    from .batch_agree import agreement_for
+
+    agreement = agreement_for(process_group)
     result = BatchSizeResult(0, device=meter.name, total=meter.total(), margin=float(margin),
                              effective_batch_size=effective_batch_size)
     tried: dict[int, bool] = {}
 
     def fits(bs: int) -> bool:
         if bs not in tried:
-            attempt = _attempt(step, bs, meter, margin)
+            try:
+                attempt = _attempt(step, bs, meter, margin)
+            except Exception:
+                if agreement is not None:
+                    agreement.fail(len(result.attempts), bs)
+                raise
+            if agreement is not None:
+                attempt.local_outcome = attempt.outcome
+                attempt.outcome, attempt.job_peak_reserved = agreement.agree(attempt.outcome, attempt.peak_reserved,
+                                                                             len(result.attempts), bs)
             result.attempts.append(attempt)
             tried[bs] = attempt.fits
             if on_attempt is not None:
@@ -245,8 +271,17 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1, max_batch_siz
     from .oom import active
 
     watch = active()
-    with watch.paused() if watch is not None else contextlib.nullcontext():  # its OOMs are the search's answers
-        result.batch_size, failed = _search_list(cands, fits, start)
+    finished = False
+    try:
+        if agreement is not None:
+            agreement.open(float(timeout), (start, max_batch_size, float(margin), effective_batch_size, multiple_of))
+            agreement.equalize(meter)
+        with watch.paused() if watch is not None else contextlib.nullcontext():  # its OOMs are the search's answers
+            result.batch_size, failed = _search_list(cands, fits, start)
+        finished = True
+    finally:
+        if agreement is not None:
+            agreement.close(together=finished)
     result.capped = failed is None and result.batch_size > 0
     return result
 
