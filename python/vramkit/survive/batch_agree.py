@@ -60,7 +60,7 @@ def agreement_for(process_group: Any) -> Agreement | None:
     if process_group is None:
         return None
     torch = sys.modules.get("torch")
-    dist = getattr(torch, "distributed", None) if torch is not None else None
+    dist: Any = getattr(torch, "distributed", None) if torch is not None else None
     initialized = dist is not None and dist.is_available() and dist.is_initialized()
     if isinstance(process_group, str):
         if process_group != "auto":
