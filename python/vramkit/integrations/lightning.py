@@ -117,17 +117,23 @@ def scale_batch_size(trainer: Any, model: Any, datamodule: Any = None, *, batch_
     (``Tuner.scale_batch_size(max_val=8192)``), not ``find_batch_size``'s 65536.
     `datamodule`: the one to fit with (a model without one uses its own ``train_dataloader``).
 
-    Each trial fits a fresh Trainer on `trainer`'s accelerator, device, precision and gradient
-    clipping for `steps_per_trial` steps, without loggers, checkpoints, callbacks or validation;
-    afterwards the model's weights and the random generators are as they were. One device only.
+    Each trial fits a fresh Trainer on `trainer`'s accelerator, devices, strategy, precision and
+    gradient clipping for `steps_per_trial` steps, without loggers, checkpoints, callbacks or
+    validation; afterwards the model's weights and the random generators are as they were.
+
+    Under DDP (``strategy="ddp"``, each rank launched by torchrun or by Lightning) every rank
+    calls it, before ``fit``: the process group is set up first, and the ranks try the same sizes
+    with one memory budget, agree on each outcome and all set the same size
+    (``find_batch_size``'s distributed search).
     """
     if not isinstance(trainer, pl.Trainer):
         raise TypeError(f"expected a Lightning Trainer ({pl.__name__}.Trainer), got {type(trainer).__name__}")
     if not isinstance(model, pl.LightningModule):
         raise TypeError(f"expected a LightningModule, got {type(model).__name__}")
-    if not isinstance(trainer.strategy, pl.strategies.SingleDeviceStrategy):
-        raise ValueError(f"scale_batch_size runs on one device; this Trainer's strategy is "
-                         f"{type(trainer.strategy).__name__}: search with a single-device Trainer first")
+    if not isinstance(trainer.strategy, (pl.strategies.SingleDeviceStrategy, pl.strategies.DDPStrategy)):
+        raise ValueError(f"scale_batch_size runs on one device or under DDP; this Trainer's strategy is "
+                         f"{type(trainer.strategy).__name__}: search with a single-device or DDP Trainer first")
+    _setup_distributed(trainer)
     if isinstance(steps_per_trial, bool) or not isinstance(steps_per_trial, int) or steps_per_trial < 1:
         raise ValueError(f"steps_per_trial must be an integer >= 1, got {steps_per_trial!r}")
     holders = _holders(model, datamodule, batch_arg_name)
@@ -208,10 +214,27 @@ def _search_device(device: Any) -> Any:
     return "cpu"
 
 
+def _setup_distributed(trainer: Any) -> None:
+    """Under DDP, the process group, so that the search's ranks can agree before the first trial
+    (Lightning itself sets it up only in ``fit``); the trials' Trainers then find it set up."""
+    if not isinstance(trainer.strategy, pl.strategies.DDPStrategy):
+        return
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        trainer.strategy.setup_distributed()
+
+
 def _trial_trainer(trainer: Any, device: Any, steps: int) -> Any:
     """A Trainer like `trainer` for `steps` training steps and nothing else."""
-    devices = [device.index or 0] if device.type == "cuda" else 1
-    return pl.Trainer(accelerator=trainer.accelerator, devices=devices, precision=trainer.precision,
+    strategy: Any = "auto"
+    devices: Any = [device.index or 0] if device.type == "cuda" else 1
+    if isinstance(trainer.strategy, pl.strategies.DDPStrategy):  # the same strategy, on the same devices
+        strategy = pl.strategies.DDPStrategy(process_group_backend=trainer.strategy.process_group_backend,
+                                             **getattr(trainer.strategy, "_ddp_kwargs", {}))
+        devices = trainer.num_devices
+    return pl.Trainer(accelerator=trainer.accelerator, strategy=strategy, devices=devices,
+                      num_nodes=trainer.num_nodes, precision=trainer.precision,
                       gradient_clip_val=trainer.gradient_clip_val,
                       gradient_clip_algorithm=trainer.gradient_clip_algorithm, max_steps=steps, max_epochs=-1,
                       limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,

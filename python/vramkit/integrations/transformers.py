@@ -146,20 +146,26 @@ def find_trainer_batch_size(trainer: Any, *, effective_batch_size: int | None = 
     reported (only ``DefaultFlowCallback`` runs), so the trials use the Trainer's own data
     loading, mixed precision and activation checkpointing. Afterwards the model's weights, a
     given optimizer's and scheduler's state, the random number generators, the callbacks and the
-    arguments are as they were; each trial's own optimizer and scheduler are dropped. One process
-    only (no DDP, FSDP or DeepSpeed: a trial would measure one unsharded process).
+    arguments are as they were; each trial's own optimizer and scheduler are dropped.
+
+    Under torchrun (DDP or FSDP, the Trainer's own) every rank calls it: the ranks try the same
+    sizes with one memory budget, agree on each outcome and all set the same size
+    (``find_batch_size``'s distributed search). DeepSpeed is refused: its engine cannot be
+    prepared again for each trial.
     """
     _check_trainer(trainer)
     args = trainer.args
-    if args.world_size > 1 or getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled",
-                                                                                          False):
-        raise ValueError("find_trainer_batch_size runs in one process on one device; this Trainer is distributed "
-                         f"(world size {args.world_size}, DeepSpeed or FSDP): run the search in a single process first")
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        raise ValueError("find_trainer_batch_size cannot run DeepSpeed trials (its engine is prepared once per "
+                         "Trainer); search without DeepSpeed first, or use DDP or FSDP")
+    if args.world_size > 1 and not _distributed_ready():
+        raise ValueError(f"this Trainer has world size {args.world_size} but torch.distributed is not initialized: "
+                         "launch the script with torchrun so that every rank runs the search")
     if isinstance(steps_per_trial, bool) or not isinstance(steps_per_trial, int) or steps_per_trial < 1:
         raise ValueError(f"steps_per_trial must be an integer >= 1, got {steps_per_trial!r}")
     if trainer.train_dataset is None:
         raise ValueError("the trainer has no train_dataset: the search runs real training steps")
-    limit = _dataset_cap(trainer, max_batch_size)
+    limit = _dataset_cap(trainer, max_batch_size, max(1, args.world_size))
     device = _search_device(args.device)
     was = args.per_device_train_batch_size
     with state_on_cpu(trainer.model, [trainer.optimizer, trainer.lr_scheduler], args.device):
@@ -179,11 +185,18 @@ def find_trainer_batch_size(trainer: Any, *, effective_batch_size: int | None = 
     return result
 
 
-def _dataset_cap(trainer: Any, max_batch_size: int | None) -> int:
-    """No trial larger than the data set: a smaller last batch would pass for the size asked."""
+def _distributed_ready() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _dataset_cap(trainer: Any, max_batch_size: int | None, world_size: int) -> int:
+    """No trial larger than a rank's share of the data set: a smaller last batch would pass for
+    the size asked."""
     cap = 1 << 16 if max_batch_size is None else max_batch_size
     try:
-        n = len(trainer.train_dataset)
+        n = len(trainer.train_dataset) // world_size
     except TypeError:  # an iterable data set: no length to cap by
         return cap
     return max(1, min(cap, n))
