@@ -211,9 +211,29 @@ def test_other_errors_propagate():
     (dict(effective_batch_size=0), ValueError, "effective_batch_size must be"),
     (dict(effective_batch_size=7, multiple_of=2), ValueError, "divides effective_batch_size=7"),
     (dict(device="nowhere"), ValueError, "nowhere"),
+    (dict(timeout=0), ValueError, "timeout must be a number of seconds > 0"),
+    (dict(timeout=True), ValueError, "timeout must be"),
+    (dict(process_group="world"), ValueError, "process_group must be 'auto', None or a torch ProcessGroup"),
 ])
 def test_bad_input(kwargs, error, message):
     with pytest.raises(error, match=message):
         find_batch_size(lambda b: None, **kwargs)
     with pytest.raises(TypeError, match="step must be callable"):
         find_batch_size(None)
+
+
+def test_one_process_searches_alone_whatever_process_group_says():
+    """No torch.distributed job here: "auto" and None search this process alone, and a group
+    given without one is refused, naming what to do."""
+    gpu = vramkit.sim.create(1 << 30)
+
+    def step(batch_size):
+        vramkit.raw_free(vramkit.raw_alloc(batch_size << 24, gpu))
+
+    for group in ("auto", None):
+        result = find_batch_size(step, device=gpu, process_group=group, max_batch_size=256)
+        assert result.batch_size == 64 and all(a.local_outcome == "" for a in result.attempts)
+    torch = pytest.importorskip("torch")
+    if torch.distributed.is_available() and not torch.distributed.is_initialized():
+        with pytest.raises(ValueError, match="torch.distributed is not initialized"):
+            find_batch_size(step, device=gpu, process_group=object())
