@@ -326,7 +326,10 @@ def _measure(ns: argparse.Namespace, script: str,
         reports.append(_vramkit_report(device, snapshot, allocations))
     for device in set(devices) - already_recording:
         vramkit.record_memory_history(False, device=device)  # leave the process as it was found
-    return ending, wall_s, reports + torch_reports, watch.problems
+    # The device that held the most first: on a torch CPU script, torch's gigabytes of tensors
+    # before the NumPy pool's few kilobytes (sorted() is stable: ties keep their order).
+    ordered = sorted(reports + torch_reports, key=lambda r: max(r.peak_reserved, r.peak_allocated), reverse=True)
+    return ending, wall_s, ordered, watch.problems
 
 
 def _report(ns: argparse.Namespace, script: str, reports: list[DeviceReport], wall_s: float, notes: list[str],
