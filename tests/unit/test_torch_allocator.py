@@ -221,3 +221,20 @@ def test_use_as_cuda_allocator_needs_cuda_torch():
     with pytest.raises(RuntimeError, match="needs a CUDA build of PyTorch"):
         vtorch().use_as_cuda_allocator()
     assert not ta.is_installed()
+
+
+def test_inside_use_mem_pool_the_hooks_allocate_from_the_private_pool(lib, routed):
+    """The hooks find the device's pool without a lock (issue 35); a thread inside
+    use_mem_pool must still get its private pool, and the device's pool again after."""
+    pool = vramkit.MemPool(device=routed)
+    strays = lib.vram_torch_stray_frees()
+    with vramkit.use_mem_pool(pool):
+        p = lib.vramkit_torch_malloc(2 * MiB, 0, None)
+    q = lib.vramkit_torch_malloc(2 * MiB, 0, None)
+    assert pool.memory_allocated() == 2 * MiB
+    assert vramkit.memory_allocated(routed) == 2 * MiB  # q only: p is the private pool's
+    lib.vramkit_torch_free(p, 2 * MiB, 0, None)  # freed outside the block: back to the private pool
+    lib.vramkit_torch_free(q, 2 * MiB, 0, None)
+    assert pool.memory_allocated() == 0 and vramkit.memory_allocated(routed) == 0
+    assert lib.vram_torch_stray_frees() == strays
+    vramkit.pool_check(routed)
