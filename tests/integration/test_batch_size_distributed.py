@@ -57,7 +57,7 @@ WORKER = textwrap.dedent(r"""
     try:
         result = find_batch_size(step, device=device, max_batch_size=4096, timeout=timeout)
         after = vramkit.get_settings(device)["memory_limit"]
-        print("RESULT " + json.dumps({"batch_size": result.batch_size, "limit_after": after,
+        print("RESULT " + json.dumps({"batch_size": result.batch_size, "limit_after": after, "text": str(result),
                                       "attempts": [[a.batch_size, a.outcome, a.local_outcome]
                                                    for a in result.attempts]}), flush=True)
     finally:
@@ -126,6 +126,7 @@ def test_ranks_with_different_limits_agree_without_hanging(tmp_path):
     # and so ran out of memory at the same allocation as rank 0, before the collective: without
     # the common budget it would have gone on into the all-reduce alone
     assert any(local == "oom" for _, _, local in results[1]["attempts"])
+    assert "searched by 2 ranks together" in results[0]["text"]
 
 
 def test_uneven_work_raises_on_the_waiting_rank_instead_of_hanging(tmp_path):

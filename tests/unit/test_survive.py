@@ -237,3 +237,15 @@ def test_one_process_searches_alone_whatever_process_group_says():
     if torch.distributed.is_available() and not torch.distributed.is_initialized():
         with pytest.raises(ValueError, match="torch.distributed is not initialized"):
             find_batch_size(step, device=gpu, process_group=object())
+
+
+def test_a_distributed_result_shows_each_ranks_own_outcome_where_it_differs():
+    from vramkit.survive import Attempt, BatchSizeResult
+
+    result = BatchSizeResult(8, attempts=[Attempt(8, "fits", 100, 0.1, local_outcome="fits"),
+                                          Attempt(16, "oom", 200, 0.1, local_outcome="fits")],
+                             device="sim:0", ranks=4)
+    lines = str(result).splitlines()
+    assert "searched by 4 ranks together" in lines[0]
+    assert lines[2].endswith("s") and "[" not in lines[2]  # the same outcome here: nothing added
+    assert lines[3].endswith("[fits]")  # another rank ran out of memory; this one did not

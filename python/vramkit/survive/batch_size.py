@@ -112,6 +112,7 @@ class BatchSizeResult(TextAsHtml):
     margin: float = 0.0
     effective_batch_size: int | None = None
     capped: bool = False  # the search stopped at max_batch_size, which fit
+    ranks: int = 1  # the ranks that searched together (a torchrun job's), each outcome the worst of theirs
 
     @property
     def accumulation_steps(self) -> int | None:
@@ -127,11 +128,15 @@ class BatchSizeResult(TextAsHtml):
         if self.accumulation_steps:
             head += (f"; effective batch {self.effective_batch_size} = {self.batch_size} x "
                      f"{self.accumulation_steps} accumulation steps")
+        if self.ranks > 1:
+            head += (f"; searched by {self.ranks} ranks together (each outcome the worst of any rank's; "
+                     "this rank's own in brackets where it differs)")
         lines = [head, f"{'batch':>7}  {'outcome':<11}  {'peak reserved':>14}  {'time':>8}"]
         for a in self.attempts:
             peak = format_size(a.peak_reserved) if a.peak_reserved is not None else "-"
+            own = f" [{a.local_outcome}]" if a.local_outcome and a.local_outcome != a.outcome else ""
             lines.append(f"{a.batch_size:>7}  {a.outcome:<11}  {peak:>14}  {a.seconds:>7.2f}s"
-                         + (f"  {a.error.split('. ')[0][:60]}" if a.error else ""))
+                         + (f"  {a.error.split('. ')[0][:60]}" if a.error else "") + own)
         return "\n".join(lines)
 
 
@@ -243,7 +248,8 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1, max_batch_siz
 
     agreement = agreement_for(process_group)
     result = BatchSizeResult(0, device=meter.name, total=meter.total(), margin=float(margin),
-                             effective_batch_size=effective_batch_size)
+                             effective_batch_size=effective_batch_size,
+                             ranks=agreement.world if agreement is not None else 1)
     tried: dict[int, bool] = {}
 
     def fits(bs: int) -> bool:
