@@ -9,11 +9,6 @@ forward pass, and each rank's pool is capped (rank 0 at 48 MiB, rank 1 at 96 MiB
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -21,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("lightning.pytorch")
 
-import vramkit  # noqa: E402
+from torchrun_jobs import plain_env, rank_envs, run_workers  # noqa: E402
 
 LIMITS_MIB = (48, 96)
 
@@ -89,42 +84,10 @@ WORKER = textwrap.dedent(r"""
 """)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(tmp_path, mode: str, limits, deadline: float) -> list[dict]:
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    root = os.path.dirname(os.path.dirname(vramkit.__file__))
-    world = str(len(limits))
-    # torchrun's environment (TorchElastic's): Lightning then runs in the process it is given
-    base = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=world, LOCAL_WORLD_SIZE=world,
-                GROUP_RANK="0", ROLE_RANK="0", ROLE_WORLD_SIZE=world, TORCHELASTIC_RUN_ID="vramkit-test",
-                OMP_NUM_THREADS="1")
-    procs = []
-    for rank, limit in enumerate(limits):
-        env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
-        if mode == "reference":
-            env = {k: v for k, v in os.environ.items()} | {"PYTHONPATH": base["PYTHONPATH"]}
-        procs.append(subprocess.Popen([sys.executable, str(script), mode, str(limit)], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, env=env, cwd=str(tmp_path)))
-    results = []
-    try:
-        for rank, p in enumerate(procs):
-            out, err = p.communicate(timeout=deadline)  # a hang fails here
-            assert p.returncode == 0, f"rank {rank} failed:\n{err[-4000:]}"
-            line = [x for x in out.splitlines() if x.startswith("RESULT ")][-1]
-            results.append(json.loads(line[len("RESULT "):]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return results
+    """The worker in `mode` with each limit: as the ranks of a job, or ("reference") one process each."""
+    envs = [plain_env()] * len(limits) if mode == "reference" else rank_envs(len(limits))
+    return run_workers(tmp_path, WORKER, [([mode, str(limit)], env) for limit, env in zip(limits, envs)], deadline)
 
 
 def test_ddp_ranks_with_different_memory_set_the_same_size(tmp_path):
