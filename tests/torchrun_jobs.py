@@ -60,3 +60,10 @@ def run_workers(tmp_path, source: str, runs: list[tuple[list[str], dict[str, str
             if p.poll() is None:
                 p.kill()
     return results
+
+
+def launch(tmp_path, source: str, mode: str, limits, deadline: float) -> list[dict]:
+    """The worker `source` in `mode` with each limit as its arguments: as the ranks of one job, or
+    ("reference") as separate plain processes."""
+    envs = [plain_env()] * len(limits) if mode == "reference" else rank_envs(len(limits))
+    return run_workers(tmp_path, source, [([mode, str(limit)], env) for limit, env in zip(limits, envs)], deadline)

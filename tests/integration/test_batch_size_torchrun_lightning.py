@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("lightning.pytorch")
 
-from torchrun_jobs import plain_env, rank_envs, run_workers  # noqa: E402
+from torchrun_jobs import launch  # noqa: E402
 
 LIMITS_MIB = (48, 96)
 
@@ -84,16 +84,10 @@ WORKER = textwrap.dedent(r"""
 """)
 
 
-def launch(tmp_path, mode: str, limits, deadline: float) -> list[dict]:
-    """The worker in `mode` with each limit: as the ranks of a job, or ("reference") one process each."""
-    envs = [plain_env()] * len(limits) if mode == "reference" else rank_envs(len(limits))
-    return run_workers(tmp_path, WORKER, [([mode, str(limit)], env) for limit, env in zip(limits, envs)], deadline)
-
-
 def test_ddp_ranks_with_different_memory_set_the_same_size(tmp_path):
-    want = launch(tmp_path / "ref", "reference", [min(LIMITS_MIB)], deadline=120)[0]["batch_size"]
+    want = launch(tmp_path / "ref", WORKER, "reference", [min(LIMITS_MIB)], deadline=120)[0]["batch_size"]
     assert 0 < want < 256
-    ranks = launch(tmp_path, "ddp", LIMITS_MIB, deadline=300)
+    ranks = launch(tmp_path, WORKER, "ddp", LIMITS_MIB, deadline=300)
     assert sorted(r["rank"] for r in ranks) == [0, 1] and [r["world"] for r in ranks] == [2, 2]
     assert [r["batch_size"] for r in ranks] == [want, want]
     assert [r["set"] for r in ranks] == [want, want]
