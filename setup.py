@@ -103,7 +103,7 @@ if CUDA_HOME:
 
 ext = Extension(
     "vramkit._C",
-    sources=sources("util/*.c", "alloc/*.c", "backends/*.c", "kernels/*.c", "checkpoint/*.c", "torch/*.c", "python/*.c"),
+    sources=sources("util/*.c", "alloc/*.c", "backends/*.c", "kernels/*.c", "checkpoint/*.c", "view/*.c", "torch/*.c", "python/*.c"),
     include_dirs=["csrc/include", numpy.get_include()] + ([os.path.join(CUDA_HOME, "include")] if CUDA_HOME else []),
     define_macros=define_macros,
     extra_compile_args=compile_args,

@@ -27,7 +27,7 @@ PyMODINIT_FUNC PyInit__C(void) {
     if (!m) return NULL;
     if (vk_errors_init(m) || vk_devices_init(m) || vk_context_init(m) || vk_memory_init(m) || vk_snapshot_init(m) ||
         vk_buffer_init(m) || vk_numpy_init(m) || vk_bench_init(m) || vk_cuda_tools_init(m) || vk_amp_init(m) || vk_amp_torch_init(m) || vk_amp_numpy_init(m) || vk_checkpoint_init(m) ||
-        vk_trace_init(m) || vk_smi_init(m) || vk_mempool_init(m) || vk_oom_queue_init(m) ||
+        vk_trace_init(m) || vk_view_init(m) || vk_smi_init(m) || vk_mempool_init(m) || vk_oom_queue_init(m) ||
         PyModule_AddStringConstant(m, "__version__", VRAM_VERSION_STRING) ||
         PyModule_AddObjectRef(m, "CUDA_COMPILED", vram_cuda_compiled() ? Py_True : Py_False) < 0) {
         Py_DECREF(m);

@@ -51,6 +51,7 @@ const vram_tensor_t *vk_amp_spans(PyObject *obj, Py_ssize_t *count, Py_ssize_t *
 const vram_strided_tensor_t *vk_amp_strided_spans(PyObject *obj, Py_ssize_t *count);
 int vk_checkpoint_init(PyObject *module); /* checkpoint.c: the checkpoint planner */
 int vk_trace_init(PyObject *module);      /* trace.c: allocation trace replay */
+int vk_view_init(PyObject *module);       /* view.c: the snapshot viewer's reader and queries */
 int vk_smi_init(PyObject *module);        /* smi.c: GPUs and their processes from NVML */
 int vk_mempool_init(PyObject *module);    /* mempool.c: private pools (vramkit.MemPool) */
 int vk_oom_queue_init(PyObject *module);  /* oom_queue.c: out-of-memory reports to Python */

@@ -3,88 +3,10 @@
  * dimensions, contiguity, length and (for the outputs) writability, naming the argument, so
  * the C call sees only the trace's own rules. Also _C.plain_pickle_problem, the check of a snapshot
  * pickle read from a file before it is unpickled. */
+#include "columns.h"
 #include "module.h"
 
 #include <string.h>
-
-/* What a column must hold: its name in messages, the PEP 3118 format characters accepted
- * (NumPy writes int64 as 'l' on LP64 Linux, and 'q' is the same type), and the item size. */
-typedef struct column_kind {
-    const char *dtype;
-    const char *formats;
-    Py_ssize_t itemsize;
-} column_kind_t;
-
-static const column_kind_t UINT8 = {"uint8", "B", 1};
-static const column_kind_t INT64 = {"int64", "lq", 8};
-static const column_kind_t UINT64 = {"uint64", "LQ", 8};
-
-typedef struct column {
-    Py_buffer view;
-    int held;
-    Py_ssize_t len;
-} column_t;
-
-static void release(column_t *cols, int count) {
-    for (int i = 0; i < count; i++)
-        if (cols[i].held) {
-            PyBuffer_Release(&cols[i].view);
-            cols[i].held = 0;
-        }
-}
-
-/* The format without a byte-order prefix that means this machine's order ('@', '=', and '<' on
- * a little-endian machine), or NULL for a foreign byte order. */
-static const char *native_format(const char *format) {
-    if (!format) return "B"; /* PEP 3118: no format means unsigned bytes */
-    if (*format == '@' || *format == '=') return format + 1;
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-    if (*format == '<') return format + 1;
-#else
-    if (*format == '>' || *format == '!') return format + 1;
-#endif
-    if (*format == '<' || *format == '>' || *format == '!') return NULL;
-    return format;
-}
-
-static int get_column(PyObject *obj, const char *name, const column_kind_t *kind, int optional, int writable,
-                      column_t *col) {
-    col->held = 0;
-    col->len = 0;
-    if (obj == Py_None && optional) return 0;
-    const char *none_ok = optional ? " or None" : "";
-    if (!PyObject_CheckBuffer(obj)) {
-        PyErr_Format(PyExc_TypeError, "%s must be a 1-D C-contiguous %s NumPy array%s, got %.80s", name, kind->dtype,
-                     none_ok, Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    if (PyObject_GetBuffer(obj, &col->view, PyBUF_RECORDS_RO) != 0) return -1;
-    col->held = 1;
-    const char *format = native_format(col->view.format);
-    if (!format || strlen(format) != 1 || !strchr(kind->formats, *format) || col->view.itemsize != kind->itemsize) {
-        PyErr_Format(PyExc_TypeError, "%s must be an array of %s (native byte order)%s; got buffer format '%s' with "
-                     "%zd-byte items", name, kind->dtype, none_ok, col->view.format ? col->view.format : "B",
-                     col->view.itemsize);
-        goto fail;
-    }
-    if (col->view.ndim != 1) {
-        PyErr_Format(PyExc_ValueError, "%s must be one-dimensional; got %d dimensions", name, col->view.ndim);
-        goto fail;
-    }
-    if (!PyBuffer_IsContiguous(&col->view, 'C')) {
-        PyErr_Format(PyExc_ValueError, "%s must be C-contiguous (use np.ascontiguousarray)", name);
-        goto fail;
-    }
-    if (writable && col->view.readonly) {
-        PyErr_Format(PyExc_ValueError, "%s must be writable; got a read-only buffer", name);
-        goto fail;
-    }
-    col->len = col->view.shape[0];
-    return 0;
-fail:
-    release(col, 1);
-    return -1;
-}
 
 static PyObject *oom_info_dict(const vram_oom_info_t *info) {
     PyObject *allowed = info->allowed == UINT64_MAX ? Py_NewRef(Py_None) : PyLong_FromUnsignedLongLong(info->allowed);
@@ -140,18 +62,18 @@ static PyObject *trace_replay(PyObject *self, PyObject *args, PyObject *kwargs) 
 
     static const char *names[NUM_COLUMNS] = {"kind", "id", "size", "stream", "reserved_out", "allocated_out",
                                              "addr_out"};
-    const column_kind_t *kinds[NUM_COLUMNS] = {&UINT8, &INT64, &UINT64, &UINT64, &UINT64, &UINT64, &UINT64};
+    const column_kind_t *kinds[NUM_COLUMNS] = {&VK_UINT8, &VK_INT64, &VK_UINT64, &VK_UINT64, &VK_UINT64, &VK_UINT64, &VK_UINT64};
     column_t col[NUM_COLUMNS];
     memset(col, 0, sizeof col);
     for (int c = 0; c < NUM_COLUMNS; c++) {
-        if (get_column(obj[c], names[c], kinds[c], c >= STREAM, c >= RESERVED, &col[c]) != 0) {
-            release(col, c);
+        if (vk_get_column(obj[c], names[c], kinds[c], c >= STREAM, c >= RESERVED, &col[c]) != 0) {
+            vk_release_columns(col, c);
             return NULL;
         }
         if (c > KIND && col[c].held && col[c].len != col[KIND].len) {
             PyErr_Format(PyExc_ValueError, "%s has %zd entries but kind has %zd: every column has one entry per event",
                          names[c], col[c].len, col[KIND].len);
-            release(col, c + 1);
+            vk_release_columns(col, c + 1);
             return NULL;
         }
     }
@@ -166,7 +88,7 @@ static PyObject *trace_replay(PyObject *self, PyObject *args, PyObject *kwargs) 
             if (lo < hi2 && lo2 < hi) {
                 PyErr_Format(PyExc_ValueError, "%s shares memory with %s; give each output its own array", names[c],
                              names[d]);
-                release(col, NUM_COLUMNS);
+                vk_release_columns(col, NUM_COLUMNS);
                 return NULL;
             }
         }
@@ -187,7 +109,7 @@ static PyObject *trace_replay(PyObject *self, PyObject *args, PyObject *kwargs) 
     if (status == VRAM_OK && r.oom_event >= 0) vram_last_oom(&oom);
     Py_END_ALLOW_THREADS
 #undef BUF
-    release(col, NUM_COLUMNS);
+    vk_release_columns(col, NUM_COLUMNS);
     if (status != VRAM_OK) {
         /* vk_raise reads the thread's message; it is still this call's, but restore it from the
          * copy in case releasing a buffer ran code that failed in vramkit. */

@@ -6,6 +6,7 @@
     vramkit replay TRACE --device-memory 40GiB ...                   (predict.py)
     vramkit smi [--watch SECONDS] [--kill-stale] ...                 (smi.py)
     vramkit merge [--top N] vramkit-rank*.json                       (merge.py)
+    vramkit view FILE [--device N] [--port P] [--no-browser]         (view.py)
 
 The modules of this package are the only ones in vramkit that print.
 """
@@ -28,11 +29,13 @@ def _parser() -> argparse.ArgumentParser:
     from .predict import add_commands
     from .run import add_command as add_run
     from .smi import add_command as add_smi
+    from .view import add_command as add_view
 
     add_run(commands)
     add_commands(commands)
     add_smi(commands)
     add_merge(commands)
+    add_view(commands)
     return parser
 
 
@@ -55,6 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .predict import cmd_fit, cmd_replay
 
             return cmd_fit(ns) if ns.command == "fit" else cmd_replay(ns)
+        if ns.command == "view":
+            from .view import cmd_view
+
+            return cmd_view(ns)
         if ns.command == "merge":
             from .merge import cmd_merge
 

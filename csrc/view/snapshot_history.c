@@ -1,0 +1,472 @@
+/* snapshot_history.c — vk_history_read: a snapshot's tree into one device's history columns.
+ * The reading mirrors from_torch_snapshot (snapshot_import.py), so that the viewer and
+ * `vramkit replay` see the same allocations; tests compare the two on the same files. */
+#include "snapshot_history.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../util/error.h"
+#include "pickle_tree.h"
+#include "stack_intern.h"
+#include "u64map.h"
+
+const char *const vk_history_column_names[VK_H_NCOLUMNS] = {
+    "ev_kind", "ev_id", "ev_time", "a_size", "a_addr", "a_stream", "a_stack", "stack_start", "stack_frames",
+    "f_file", "f_name", "f_line", "str_start", "str_data", "se_event", "se_addr", "se_size", "se_stream",
+    "se_sign", "oom_event", "oom_size", "oom_free", "oom_time", "fs_addr", "fs_size", "fs_stream"};
+const char vk_history_column_types[VK_H_NCOLUMNS] = {
+    'B', 'I', 'q', 'Q', 'Q', 'Q', 'i', 'Q', 'I', 'I', 'I', 'q', 'Q', 'B', 'Q', 'Q', 'Q', 'Q', 'b', 'Q', 'Q', 'q',
+    'q', 'Q', 'Q', 'Q'};
+
+#define NONE32 UINT32_MAX
+#define SIZE_LIMIT (UINT64_C(1) << 62) /* as Trace.validate: no size reaches 2**62 bytes */
+#define NO_TIME INT64_MIN
+
+enum { A_OTHER, A_ALLOC, A_FREE_REQUESTED, A_FREE, A_FREE_COMPLETED, A_SEG_PLUS, A_SEG_MINUS, A_OOM };
+
+typedef struct rd {
+    const vk_ptree_t *t;
+    vk_history_t *h;
+    const char *what;
+    vk_stacks_t stacks;
+} rd_t;
+
+static size_t elem_size(int col) {
+    switch (vk_history_column_types[col]) {
+    case 'B': case 'b': return 1;
+    case 'I': case 'i': return 4;
+    default: return 8;
+    }
+}
+
+vram_status_t vk_history_put(vk_history_t *h, int col, uint64_t value) {
+    vk_vec_t *v = &h->col[col];
+    size_t es = elem_size(col);
+    if (v->n == v->cap) {
+        uint64_t cap = v->cap ? v->cap * 2 : 256;
+        void *p = realloc(v->p, (size_t)cap * es);
+        if (!p) return vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory reading the snapshot's history");
+        v->p = p;
+        v->cap = cap;
+    }
+    uint8_t *at = (uint8_t *)v->p + v->n++ * es;
+    if (es == 1) *at = (uint8_t)value;
+    else if (es == 4) { uint32_t x = (uint32_t)value; memcpy(at, &x, 4); }
+    else memcpy(at, &value, 8);
+    return VRAM_OK;
+}
+
+static const char *describe(const vk_ptree_t *t, uint32_t node) {
+    if (node == NONE32) return "missing";
+    switch (t->nodes[node].type) {
+    case VK_PT_NONE: return "None";
+    case VK_PT_BOOL: return "a bool";
+    case VK_PT_INT: case VK_PT_UINT: case VK_PT_BIGINT: return "an int";
+    case VK_PT_FLOAT: return "a float";
+    case VK_PT_STR: return "a str";
+    case VK_PT_BYTES: return "bytes";
+    case VK_PT_LIST: return "a list";
+    case VK_PT_TUPLE: return "a tuple";
+    case VK_PT_DICT: return "a dict";
+    default: return "a set";
+    }
+}
+
+/* d[key] as an integer in [0, limit) (limit 0: 2**64); `dflt` when absent or None, required if dflt < 0. */
+static vram_status_t get_uint(rd_t *r, uint32_t d, const char *key, const char *where, int64_t dflt,
+                              uint64_t limit, uint64_t *out) {
+    uint32_t v = vk_pt_get(r->t, d, key);
+    const vk_pt_node_t *n = v == NONE32 ? NULL : &r->t->nodes[v];
+    if (!n || n->type == VK_PT_NONE) {
+        if (dflt < 0) return vram__fail(VRAM_ERR_INVALID_ARG, "%s: %s: missing '%s'", r->what, where, key);
+        *out = (uint64_t)dflt;
+        return VRAM_OK;
+    }
+    int ok = (n->type == VK_PT_INT && (int64_t)n->v >= 0 && (limit == 0 || n->v < limit)) ||
+             (n->type == VK_PT_UINT && limit == 0);
+    if (!ok) {
+        char range[48];
+        if (limit) snprintf(range, sizeof range, "%" PRIu64, limit - 1);
+        else snprintf(range, sizeof range, "2**64-1");
+        return vram__fail(VRAM_ERR_INVALID_ARG, "%s: %s: '%s' is %s; expected an integer from 0 to %s", r->what, where,
+                          key, n->type == VK_PT_INT && (int64_t)n->v < 0 ? "negative" : describe(r->t, v), range);
+    }
+    *out = n->v;
+    return VRAM_OK;
+}
+
+static vram_status_t get_stream(rd_t *r, uint32_t d, const char *where, uint64_t *out) {
+    uint32_t v = vk_pt_get(r->t, d, "stream");
+    const vk_pt_node_t *n = v == NONE32 ? NULL : &r->t->nodes[v];
+    if (!n || n->type == VK_PT_NONE) { *out = 0; return VRAM_OK; }
+    if (n->type != VK_PT_INT && n->type != VK_PT_UINT)
+        return vram__fail(VRAM_ERR_INVALID_ARG, "%s: %s: 'stream' is %s; expected a 64-bit integer (a cudaStream_t)",
+                          r->what, where, describe(r->t, v));
+    *out = n->v;
+    return VRAM_OK;
+}
+
+static int64_t get_time(rd_t *r, uint32_t d) {
+    uint32_t v = vk_pt_get(r->t, d, "time_us");
+    if (v == NONE32 || r->t->nodes[v].type != VK_PT_INT) return NO_TIME; /* a viewer's extra: optional */
+    return (int64_t)r->t->nodes[v].v;
+}
+
+static int action_of(const vk_ptree_t *t, uint32_t node) {
+    static const struct { const char *name; int kind; } names[] = {
+        {"alloc", A_ALLOC}, {"free_requested", A_FREE_REQUESTED}, {"free", A_FREE},
+        {"free_completed", A_FREE_COMPLETED}, {"segment_alloc", A_SEG_PLUS}, {"segment_map", A_SEG_PLUS},
+        {"segment_free", A_SEG_MINUS}, {"segment_unmap", A_SEG_MINUS}, {"oom", A_OOM}};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (vk_pt_str_is(t, node, names[i].name)) return names[i].kind;
+    return A_OTHER;
+}
+
+static int is_seq(const vk_ptree_t *t, uint32_t node) {
+    return node != NONE32 && (t->nodes[node].type == VK_PT_LIST || t->nodes[node].type == VK_PT_TUPLE);
+}
+
+/* ---------------------------------------------------------------------------------- device */
+
+static vram_status_t pick_device(rd_t *r, uint32_t traces, uint32_t segments, int device, uint32_t *entries) {
+    uint32_t k, n = r->t->nodes[traces].n, busy = 0, first_busy = 0;
+    char list[160] = "";
+    if (device >= 0) {
+        if ((uint32_t)device >= n)
+            return vram__fail(VRAM_ERR_INVALID_ARG, "device %d is out of range for %s: it has %u device trace(s)",
+                              device, r->what, n);
+    }
+    uint32_t i = 0;
+    for (vk_pt_iter_t it = vk_pt_iter(r->t, traces); vk_pt_next(&it, &k); i++) {
+        if ((int)i == device) *entries = k;
+        if (r->t->nodes[k].n) {
+            size_t used = strlen(list);
+            if (used + 16 < sizeof list) snprintf(list + used, sizeof list - used, "%s%u", busy ? ", " : "", i);
+            if (!busy++) first_busy = i;
+        }
+    }
+    if (device >= 0) {
+        r->h->device = device;
+        return VRAM_OK;
+    }
+    if (busy > 1)
+        return vram__fail(VRAM_ERR_INVALID_ARG, "%s: devices [%s] all have trace entries; pass a device (one of them)",
+                          r->what, list);
+    if (n == 0)
+        return vram__fail(VRAM_ERR_INVALID_ARG, "%s: 'device_traces' is empty (no device); record with "
+                          "torch.cuda.memory._record_memory_history() before taking the snapshot", r->what);
+    uint32_t pick = first_busy;
+    if (!busy) { /* no entries anywhere: the device of the segments if they name exactly one */
+        uint64_t dev = 0, only = UINT64_MAX;
+        int several = 0;
+        for (vk_pt_iter_t it = vk_pt_iter(r->t, segments); vk_pt_next(&it, &k);) {
+            vram_status_t s = get_uint(r, k, "device", "a segment", 0, UINT64_C(1) << 31, &dev);
+            if (s != VRAM_OK) return s;
+            if (only != UINT64_MAX && only != dev) several = 1;
+            only = dev;
+        }
+        pick = (!several && only != UINT64_MAX && only < n) ? (uint32_t)only : 0;
+    }
+    i = 0;
+    for (vk_pt_iter_t it = vk_pt_iter(r->t, traces); vk_pt_next(&it, &k); i++)
+        if (i == pick) *entries = k;
+    r->h->device = (int)pick;
+    return VRAM_OK;
+}
+
+/* ---------------------------------------------------------------------------------- final blocks */
+
+typedef struct block { uint64_t addr, size, requested, stream; uint32_t frames; } block_t;
+
+static vram_status_t final_blocks(rd_t *r, uint32_t segments, block_t **out, uint64_t *count) {
+    vk_vec_t blocks = {0};
+    uint64_t visited = 0, budget = r->t->len;
+    uint32_t seg, b;
+    vram_status_t s = VRAM_OK;
+    uint64_t si = 0;
+    for (vk_pt_iter_t it = vk_pt_iter(r->t, segments); s == VRAM_OK && vk_pt_next(&it, &seg); si++) {
+        uint64_t dev, total, addr, stream;
+        char where[64];
+        snprintf(where, sizeof where, "segment %" PRIu64, si);
+        if ((s = get_uint(r, seg, "device", where, r->h->device, UINT64_C(1) << 31, &dev)) != VRAM_OK) break;
+        if (dev != (uint64_t)r->h->device) continue;
+        if ((s = get_uint(r, seg, "total_size", where, -1, SIZE_LIMIT, &total)) != VRAM_OK) break;
+        if ((s = get_uint(r, seg, "address", where, 0, 0, &addr)) != VRAM_OK) break;
+        if ((s = get_stream(r, seg, where, &stream)) != VRAM_OK) break;
+        if ((s = vk_history_put(r->h, VK_H_FS_ADDR, addr)) || (s = vk_history_put(r->h, VK_H_FS_SIZE, total)) ||
+            (s = vk_history_put(r->h, VK_H_FS_STREAM, stream)))
+            break;
+        uint32_t list = vk_pt_get(r->t, seg, "blocks");
+        if (list == NONE32 || r->t->nodes[list].type == VK_PT_NONE) continue;
+        if (!is_seq(r->t, list)) {
+            s = vram__fail(VRAM_ERR_INVALID_ARG, "%s: %s: 'blocks' is %s; expected a list", r->what, where,
+                           describe(r->t, list));
+            break;
+        }
+        visited += r->t->nodes[list].n;
+        if (visited > budget) {
+            s = vram__fail(VRAM_ERR_INVALID_ARG, "%s: its segments list more blocks than a file of %zu bytes can hold "
+                           "(the same objects referenced over and over); refusing", r->what, r->t->len);
+            break;
+        }
+        uint64_t bi = 0;
+        for (vk_pt_iter_t bt = vk_pt_iter(r->t, list); s == VRAM_OK && vk_pt_next(&bt, &b); bi++) {
+            char bwhere[96];
+            uint64_t size, req = 0;
+            snprintf(bwhere, sizeof bwhere, "segment %" PRIu64 ", block %" PRIu64, si, bi);
+            if (r->t->nodes[b].type != VK_PT_DICT) {
+                s = vram__fail(VRAM_ERR_INVALID_ARG, "%s: %s: the block is %s; expected a dict", r->what, bwhere,
+                               describe(r->t, b));
+                break;
+            }
+            if ((s = get_uint(r, b, "size", bwhere, -1, SIZE_LIMIT, &size)) != VRAM_OK) break;
+            if (vk_pt_get(r->t, b, "address") != NONE32 &&
+                (s = get_uint(r, b, "address", bwhere, -1, 0, &addr)) != VRAM_OK)
+                break;
+            uint32_t state = vk_pt_get(r->t, b, "state");
+            if (state == NONE32 || r->t->nodes[state].type != VK_PT_STR) {
+                s = vram__fail(VRAM_ERR_INVALID_ARG, "%s: %s: 'state' is %s; expected a string such as "
+                               "'active_allocated' or 'inactive'", r->what, bwhere, describe(r->t, state));
+                break;
+            }
+            if (vk_pt_str_is(r->t, state, "active_allocated") || vk_pt_str_is(r->t, state, "active_pending_free") ||
+                vk_pt_str_is(r->t, state, "active_awaiting_free")) {
+                if ((s = get_uint(r, b, "requested_size", bwhere, 0, SIZE_LIMIT, &req)) != VRAM_OK) break;
+                if (blocks.n == blocks.cap) {
+                    uint64_t cap = blocks.cap ? blocks.cap * 2 : 64;
+                    void *p = realloc(blocks.p, (size_t)cap * sizeof(block_t));
+                    if (!p) { s = vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory reading segments"); break; }
+                    blocks.p = p;
+                    blocks.cap = cap;
+                }
+                ((block_t *)blocks.p)[blocks.n++] =
+                    (block_t){addr, size, req, stream, vk_pt_get(r->t, b, "frames")};
+            }
+            addr += size;
+        }
+    }
+    if (s != VRAM_OK) { free(blocks.p); return s; }
+    *out = blocks.p;
+    *count = blocks.n;
+    return VRAM_OK;
+}
+
+/* ---------------------------------------------------------------------------------- entries */
+
+typedef struct initial { uint64_t addr, size, stream; int32_t stack; } initial_t;
+
+static int by_addr(const void *a, const void *b) {
+    uint64_t x = ((const initial_t *)a)->addr, y = ((const initial_t *)b)->addr;
+    return (x > y) - (x < y);
+}
+
+static vram_status_t add_alloc(rd_t *r, vk_u64map_t *live, uint64_t addr, uint64_t size, uint64_t stream,
+                               int32_t stack, int64_t time) {
+    vk_history_t *h = r->h;
+    uint64_t id = h->col[VK_H_A_SIZE].n;
+    if (id >= UINT32_MAX) return vram__fail(VRAM_ERR_INVALID_ARG, "%s: more than 4 billion allocations", r->what);
+    vram_status_t s;
+    if ((s = vk_history_put(h, VK_H_A_SIZE, size)) || (s = vk_history_put(h, VK_H_A_ADDR, addr)) || (s = vk_history_put(h, VK_H_A_STREAM, stream)) ||
+        (s = vk_history_put(h, VK_H_A_STACK, (uint64_t)(int64_t)stack)) || (s = vk_history_put(h, VK_H_EV_KIND, 0)) ||
+        (s = vk_history_put(h, VK_H_EV_ID, id)) || (s = vk_history_put(h, VK_H_EV_TIME, (uint64_t)time)))
+        return s;
+    if (vk_u64map_put(live, addr, id)) return vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory");
+    return VRAM_OK;
+}
+
+static vram_status_t contradiction(rd_t *r, uint64_t dev, uint64_t i, const char *action, uint64_t addr,
+                                   const char *why) {
+    return vram__fail(VRAM_ERR_INVALID_ARG, "%s: device_traces[%" PRIu64 "][%" PRIu64 "]: %s at address 0x%" PRIx64
+                      ", %s; entries contradict each other", r->what, dev, i, action, addr, why);
+}
+
+static vram_status_t read_entries(rd_t *r, uint32_t entries, uint32_t segments) {
+    vk_history_t *h = r->h;
+    const vk_ptree_t *t = r->t;
+    uint64_t dev = (uint64_t)h->device, n = t->nodes[entries].n;
+    uint32_t *list = malloc((size_t)(n ? n : 1) * sizeof *list);
+    block_t *blocks = NULL;
+    uint64_t n_blocks = 0, n_initial = 0, i = 0;
+    initial_t *initial = NULL;
+    vk_u64map_t first = {0}, live = {0}, pending = {0}, active_end = {0};
+    vram_status_t s = list ? VRAM_OK : vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory");
+    if (s == VRAM_OK) {
+        uint32_t e;
+        for (vk_pt_iter_t it = vk_pt_iter(t, entries); vk_pt_next(&it, &e);) list[i++] = e;
+        s = final_blocks(r, segments, &blocks, &n_blocks);
+    }
+    for (uint64_t b = 0; s == VRAM_OK && b < n_blocks; b++)
+        if (vk_u64map_put(&active_end, blocks[b].addr, b)) s = vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory");
+
+    /* Pass 1: every entry's shape, and the first entry naming each address. */
+    for (i = 0; s == VRAM_OK && i < n; i++) {
+        char where[96];
+        snprintf(where, sizeof where, "device_traces[%" PRIu64 "][%" PRIu64 "]: malformed entry", dev, i);
+        uint32_t e = list[i], act;
+        if (t->nodes[e].type != VK_PT_DICT) {
+            s = vram__fail(VRAM_ERR_INVALID_ARG, "%s: %s (%s); entries are dicts with 'action', and 'addr', 'size', "
+                           "'stream' for alloc, free and segment actions", r->what, where, describe(t, e));
+            break;
+        }
+        act = vk_pt_get(t, e, "action");
+        if (act == NONE32 || t->nodes[act].type != VK_PT_STR) {
+            s = vram__fail(VRAM_ERR_INVALID_ARG, "%s: %s ('action' is %s); alloc and free entries need 'action', "
+                           "'addr' and 'size'", r->what, where, describe(t, act));
+            break;
+        }
+        int a = action_of(t, act);
+        uint64_t v;
+        if (a >= A_ALLOC && a <= A_FREE_COMPLETED) {
+            if ((s = get_uint(r, e, "size", where, -1, SIZE_LIMIT, &v)) || (s = get_stream(r, e, where, &v)) ||
+                (s = get_uint(r, e, "addr", where, -1, 0, &v)))
+                break;
+            if (vk_u64map_find(&first, v) < 0 && vk_u64map_put(&first, v, i))
+                s = vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory");
+        } else if (a == A_SEG_PLUS || a == A_SEG_MINUS || a == A_OOM) {
+            s = get_uint(r, e, "size", where, -1, SIZE_LIMIT, &v);
+            if (s == VRAM_OK && a == A_OOM) s = get_uint(r, e, "device_free", where, 0, 0, &v);
+        }
+    }
+
+    /* Allocations alive before the trace, in address order. */
+    if (s == VRAM_OK) {
+        initial = malloc((size_t)(first.count + n_blocks + 1) * sizeof *initial);
+        if (!initial) s = vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory");
+    }
+    for (uint64_t slot = 0; s == VRAM_OK && slot < first.capacity; slot++) {
+        if (first.used[slot] != 1) continue;
+        uint32_t e = list[first.values[slot]];
+        if (action_of(t, vk_pt_get(t, e, "action")) == A_ALLOC) continue;
+        uint64_t size, stream;
+        get_uint(r, e, "size", "", -1, SIZE_LIMIT, &size); /* checked in pass 1 */
+        get_stream(r, e, "", &stream);
+        initial[n_initial++] = (initial_t){first.keys[slot], size, stream, -1};
+    }
+    for (uint64_t b = 0; s == VRAM_OK && b < n_blocks; b++) {
+        const block_t *k = &blocks[b];
+        if (vk_u64map_find(&first, k->addr) >= 0) continue;
+        int32_t stack = -1;
+        s = vk_stacks_of(&r->stacks, k->frames, &stack);
+        uint64_t size = (h->block_sizes || k->requested == 0) ? k->size : k->requested;
+        initial[n_initial++] = (initial_t){k->addr, size, k->stream, stack};
+    }
+    if (s == VRAM_OK) qsort(initial, (size_t)n_initial, sizeof *initial, by_addr);
+    for (uint64_t k = 0; s == VRAM_OK && k < n_initial; k++)
+        s = add_alloc(r, &live, initial[k].addr, initial[k].size, initial[k].stream, initial[k].stack, NO_TIME);
+    h->initial_allocations = n_initial;
+
+    /* Pass 2: the events. */
+    for (i = 0; s == VRAM_OK && i < n; i++) {
+        uint32_t e = list[i];
+        int a = action_of(t, vk_pt_get(t, e, "action"));
+        uint64_t addr = 0, size = 0, stream = 0, id = 0, mem_events = h->col[VK_H_EV_KIND].n;
+        int64_t time = get_time(r, e);
+        if (a != A_OTHER && a != A_OOM) {
+            if (vk_pt_get(t, e, "addr") != NONE32) get_uint(r, e, "addr", "", 0, 0, &addr);
+            get_uint(r, e, "size", "", -1, SIZE_LIMIT, &size);
+            get_stream(r, e, "", &stream);
+        }
+        if (a == A_ALLOC) {
+            if (vk_u64map_find(&live, addr) >= 0) {
+                s = contradiction(r, dev, i, "alloc", addr, "which holds a block not yet freed (no free_completed "
+                                  "for it)");
+                break;
+            }
+            int32_t stack = -1;
+            if ((s = vk_stacks_of(&r->stacks, vk_pt_get(t, e, "frames"), &stack)) != VRAM_OK) break;
+            s = add_alloc(r, &live, addr, size, stream, stack, time);
+        } else if (a == A_FREE_COMPLETED) {
+            if (!vk_u64map_remove(&live, addr, &id)) {
+                s = contradiction(r, dev, i, "free_completed", addr, "where no block is allocated at that point");
+                break;
+            }
+            vk_u64map_remove(&pending, addr, NULL);
+            if ((s = vk_history_put(h, VK_H_EV_KIND, 1)) || (s = vk_history_put(h, VK_H_EV_ID, id)) ||
+                (s = vk_history_put(h, VK_H_EV_TIME, (uint64_t)time)))
+                break;
+        } else if (a == A_FREE_REQUESTED || a == A_FREE) {
+            if (vk_u64map_find(&live, addr) < 0) {
+                s = contradiction(r, dev, i, a == A_FREE ? "free" : "free_requested", addr,
+                                  "where no block is allocated at that point");
+                break;
+            }
+            if (vk_u64map_put(&pending, addr, i)) s = vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory");
+        } else if ((a == A_SEG_PLUS || a == A_SEG_MINUS) && vk_pt_get(t, e, "addr") != NONE32) {
+            if ((s = vk_history_put(h, VK_H_SE_EVENT, mem_events)) || (s = vk_history_put(h, VK_H_SE_ADDR, addr)) ||
+                (s = vk_history_put(h, VK_H_SE_SIZE, size)) || (s = vk_history_put(h, VK_H_SE_STREAM, stream)) ||
+                (s = vk_history_put(h, VK_H_SE_SIGN, a == A_SEG_PLUS ? 1 : (uint64_t)(int64_t)-1)))
+                break;
+        } else if (a == A_OOM) {
+            uint64_t free_bytes = 0;
+            get_uint(r, e, "size", "", -1, SIZE_LIMIT, &size);
+            int has_free = vk_pt_get(t, e, "device_free") != NONE32 &&
+                           t->nodes[vk_pt_get(t, e, "device_free")].type != VK_PT_NONE;
+            if (has_free) get_uint(r, e, "device_free", "", 0, 0, &free_bytes);
+            if ((s = vk_history_put(h, VK_H_OOM_EVENT, mem_events)) || (s = vk_history_put(h, VK_H_OOM_SIZE, size)) ||
+                (s = vk_history_put(h, VK_H_OOM_FREE, has_free ? free_bytes : (uint64_t)(int64_t)-1)) ||
+                (s = vk_history_put(h, VK_H_OOM_TIME, (uint64_t)time)))
+                break;
+        }
+    }
+    h->unfinished_frees = pending.count;
+    h->entries = n;
+    free(list);
+    free(blocks);
+    free(initial);
+    vk_u64map_free(&first);
+    vk_u64map_free(&live);
+    vk_u64map_free(&pending);
+    vk_u64map_free(&active_end);
+    return s;
+}
+
+vram_status_t vk_history_read(const void *data, size_t len, int device, vk_history_t *out) {
+    memset(out, 0, sizeof *out);
+    vk_ptree_t tree;
+    vram_status_t s = vk_ptree_build(&tree, data, len);
+    if (s != VRAM_OK) return s;
+    rd_t r = {.t = &tree, .h = out, .what = "snapshot"};
+    vk_stacks_init(&r.stacks, &tree, out);
+    uint32_t root = tree.root, segments = vk_pt_get(&tree, root, "segments"), traces = vk_pt_get(&tree, root,
+                                                                                                    "device_traces");
+    if (tree.nodes[root].type != VK_PT_DICT)
+        s = vram__fail(VRAM_ERR_INVALID_ARG, "snapshot: holds %s, expected a dict from torch.cuda.memory._snapshot() "
+                       "or vramkit.memory_snapshot() with keys 'segments' and 'device_traces'", describe(&tree, root));
+    else if (segments == NONE32 || traces == NONE32)
+        s = vram__fail(VRAM_ERR_INVALID_ARG, "snapshot: missing %s; expected a dict from torch.cuda.memory._snapshot() "
+                       "or vramkit.memory_snapshot() with keys 'segments' and 'device_traces'",
+                       segments == NONE32 && traces == NONE32 ? "'segments' and 'device_traces'"
+                       : segments == NONE32 ? "'segments'" : "'device_traces'");
+    if (s == VRAM_OK) {
+        uint32_t k;
+        int ok = is_seq(&tree, traces);
+        for (vk_pt_iter_t it = vk_pt_iter(&tree, traces); ok && vk_pt_next(&it, &k);) ok = is_seq(&tree, k);
+        if (!ok)
+            s = vram__fail(VRAM_ERR_INVALID_ARG, "snapshot: 'device_traces' must be a list with one list of trace "
+                           "entries per device");
+        ok = is_seq(&tree, segments);
+        for (vk_pt_iter_t it = vk_pt_iter(&tree, segments); ok && vk_pt_next(&it, &k);)
+            ok = tree.nodes[k].type == VK_PT_DICT;
+        if (s == VRAM_OK && !ok)
+            s = vram__fail(VRAM_ERR_INVALID_ARG, "snapshot: 'segments' must be a list of segment dicts");
+    }
+    if (s == VRAM_OK) {
+        uint32_t entries = NONE32;
+        out->block_sizes = vk_pt_get(&tree, root, "vramkit_device") != NONE32;
+        s = pick_device(&r, traces, segments, device, &entries);
+        if (s == VRAM_OK) s = read_entries(&r, entries, segments);
+    }
+    if (s == VRAM_OK) s = vk_stacks_finish(&r.stacks);
+    vk_stacks_free(&r.stacks);
+    vk_ptree_free(&tree);
+    if (s != VRAM_OK) vk_history_free(out);
+    return s;
+}
+
+void vk_history_free(vk_history_t *h) {
+    for (int c = 0; c < VK_H_NCOLUMNS; c++) free(h->col[c].p);
+    memset(h, 0, sizeof *h);
+}
