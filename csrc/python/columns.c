@@ -69,6 +69,11 @@ int vk_get_column(PyObject *obj, const char *name, const column_kind_t *kind, in
         PyErr_Format(PyExc_ValueError, "%s must be writable; got a read-only buffer", name);
         goto fail;
     }
+    if ((uintptr_t)col->view.buf % (uintptr_t)kind->itemsize) { /* C reads whole items */
+        PyErr_Format(PyExc_ValueError, "%s must be aligned to its %zd-byte items (a view at an odd offset; copy it "
+                     "with np.ascontiguousarray(..., copy=True))", name, kind->itemsize);
+        goto fail;
+    }
     col->len = col->view.shape[0];
     return 0;
 fail:

@@ -47,7 +47,8 @@ static vram_status_t bad(vm_t *m, const char *opcode, const char *what) {
 static vram_status_t new_node(vm_t *m, uint8_t type, uint32_t n, uint64_t v, uint32_t *out) {
     vk_ptree_t *t = m->t;
     if (t->n_nodes >= UINT32_MAX - 1)
-        return vram__fail(VRAM_ERR_INVALID_ARG, "the pickle holds more than 4 billion values; vramkit reads at most that");
+        return vram__fail(VRAM_ERR_INVALID_ARG,
+                          "the pickle holds more than 4 billion values; vramkit reads at most that");
     if (grow((void **)&t->nodes, &t->cap_nodes, t->n_nodes + 1, sizeof *t->nodes)) return no_memory();
     t->nodes[t->n_nodes] = (vk_pt_node_t){.type = type, .n = n, .v = v};
     *out = (uint32_t)t->n_nodes++;
@@ -120,7 +121,8 @@ static vram_status_t add_top(vm_t *m, const char *opcode, uint8_t want, uint64_t
     if (m->n_stack < items + 1 || (m->n_marks && m->marks[m->n_marks - 1] > m->n_stack - items - 1))
         return bad(m, opcode, "has no container below its items");
     uint32_t c = m->stack[m->n_stack - items - 1];
-    if (m->t->nodes[c].type != want) return bad(m, opcode, "adds items to a value that is not the right kind of container");
+    if (m->t->nodes[c].type != want)
+        return bad(m, opcode, "adds items to a value that is not the right kind of container");
     return append_run(m, c, m->n_stack - items);
 }
 

@@ -31,6 +31,11 @@ typedef struct rd {
     const vk_ptree_t *t;
     vk_history_t *h;
     const char *what;
+    uint64_t entry; /* the trace entry being read, for messages */
+    /* Pickled snapshots memoize their keys and action names: the same few string nodes recur in
+     * every entry, so what a node means is remembered by node id (direct-mapped, 64 slots). */
+    uint32_t seen_node[64];
+    int8_t seen_meaning[64];
     vk_stacks_t stacks;
 } rd_t;
 
@@ -75,13 +80,23 @@ static const char *describe(const vk_ptree_t *t, uint32_t node) {
     }
 }
 
-/* d[key] as an integer in [0, limit) (limit 0: 2**64); `dflt` when absent or None, required if dflt < 0. */
-static vram_status_t get_uint(rd_t *r, uint32_t d, const char *key, const char *where, int64_t dflt,
-                              uint64_t limit, uint64_t *out) {
-    uint32_t v = vk_pt_get(r->t, d, key);
+/* Where a failing field is, for the message: `where`, or (NULL) the entry being read. */
+static const char *where_of(rd_t *r, const char *where, char *buf, size_t cap) {
+    if (where) return where;
+    snprintf(buf, cap, "device_traces[%d][%" PRIu64 "]: malformed entry", r->h->device, r->entry);
+    return buf;
+}
+
+/* Value node v of `key` as an integer in [0, limit) (limit 0: 2**64); `dflt` when absent
+ * (NONE32) or None, required if dflt < 0. */
+static vram_status_t uint_of(rd_t *r, uint32_t v, const char *key, const char *where, int64_t dflt, uint64_t limit,
+                             uint64_t *out) {
     const vk_pt_node_t *n = v == NONE32 ? NULL : &r->t->nodes[v];
+    char buf[96];
     if (!n || n->type == VK_PT_NONE) {
-        if (dflt < 0) return vram__fail(VRAM_ERR_INVALID_ARG, "%s: %s: missing '%s'", r->what, where, key);
+        if (dflt < 0)
+            return vram__fail(VRAM_ERR_INVALID_ARG, "%s: %s: missing '%s'", r->what,
+                              where_of(r, where, buf, sizeof buf), key);
         *out = (uint64_t)dflt;
         return VRAM_OK;
     }
@@ -91,37 +106,99 @@ static vram_status_t get_uint(rd_t *r, uint32_t d, const char *key, const char *
         char range[48];
         if (limit) snprintf(range, sizeof range, "%" PRIu64, limit - 1);
         else snprintf(range, sizeof range, "2**64-1");
-        return vram__fail(VRAM_ERR_INVALID_ARG, "%s: %s: '%s' is %s; expected an integer from 0 to %s", r->what, where,
-                          key, n->type == VK_PT_INT && (int64_t)n->v < 0 ? "negative" : describe(r->t, v), range);
+        return vram__fail(VRAM_ERR_INVALID_ARG, "%s: %s: '%s' is %s; expected an integer from 0 to %s", r->what,
+                          where_of(r, where, buf, sizeof buf), key,
+                          n->type == VK_PT_INT && (int64_t)n->v < 0 ? "negative" : describe(r->t, v), range);
     }
     *out = n->v;
     return VRAM_OK;
 }
 
-static vram_status_t get_stream(rd_t *r, uint32_t d, const char *where, uint64_t *out) {
-    uint32_t v = vk_pt_get(r->t, d, "stream");
+static vram_status_t get_uint(rd_t *r, uint32_t d, const char *key, const char *where, int64_t dflt,
+                              uint64_t limit, uint64_t *out) {
+    return uint_of(r, vk_pt_get(r->t, d, key), key, where, dflt, limit, out);
+}
+
+static vram_status_t stream_of(rd_t *r, uint32_t v, const char *where, uint64_t *out) {
     const vk_pt_node_t *n = v == NONE32 ? NULL : &r->t->nodes[v];
     if (!n || n->type == VK_PT_NONE) { *out = 0; return VRAM_OK; }
-    if (n->type != VK_PT_INT && n->type != VK_PT_UINT)
+    if (n->type != VK_PT_INT && n->type != VK_PT_UINT) {
+        char buf[96];
         return vram__fail(VRAM_ERR_INVALID_ARG, "%s: %s: 'stream' is %s; expected a 64-bit integer (a cudaStream_t)",
-                          r->what, where, describe(r->t, v));
+                          r->what, where_of(r, where, buf, sizeof buf), describe(r->t, v));
+    }
     *out = n->v;
     return VRAM_OK;
 }
 
-static int64_t get_time(rd_t *r, uint32_t d) {
-    uint32_t v = vk_pt_get(r->t, d, "time_us");
+static int64_t time_of(rd_t *r, uint32_t v) {
     if (v == NONE32 || r->t->nodes[v].type != VK_PT_INT) return NO_TIME; /* a viewer's extra: optional */
     return (int64_t)r->t->nodes[v].v;
 }
 
-static int action_of(const vk_ptree_t *t, uint32_t node) {
+/* The fields of a trace entry the reader uses, found in one walk over the entry's items (the
+ * last binding of a key wins, as in a dict). Keys are compared by length first: most differ. */
+enum { F_ACTION, F_ADDR, F_SIZE, F_STREAM, F_TIME, F_FRAMES, F_DEVICE_FREE, F_COUNT };
+typedef struct fields { uint32_t v[F_COUNT]; } fields_t;
+
+static int key_field(rd_t *r, uint32_t k);
+
+static void entry_fields(rd_t *r, uint32_t d, fields_t *f) {
+    const vk_ptree_t *t = r->t;
+    for (int i = 0; i < F_COUNT; i++) f->v[i] = NONE32;
+    uint32_t k, v;
+    for (vk_pt_iter_t it = vk_pt_iter(t, d); vk_pt_next(&it, &k) && vk_pt_next(&it, &v);) {
+        int field = key_field(r, k);
+        if (field >= 0) f->v[field] = v;
+    }
+}
+
+/* The field a key node names (-1: none the reader uses). */
+static int key_field(rd_t *r, uint32_t k) {
+    const vk_ptree_t *t = r->t;
+    uint32_t slot = k & 63;
+    /* a node remembered as an action name is no key */
+    if (r->seen_node[slot] == k + 1) return r->seen_meaning[slot] < 16 ? r->seen_meaning[slot] : -1;
+    static const struct { const char *name; uint32_t len; int field; } keys[] = {
+        {"action", 6, F_ACTION}, {"stream", 6, F_STREAM}, {"frames", 6, F_FRAMES}, {"addr", 4, F_ADDR},
+        {"size", 4, F_SIZE}, {"time_us", 7, F_TIME}, {"device_free", 11, F_DEVICE_FREE}};
+    int field = -1;
+    const vk_pt_node_t *n = &t->nodes[k];
+    for (size_t j = 0; n->type == VK_PT_STR && j < sizeof keys / sizeof keys[0]; j++)
+        if (n->n == keys[j].len && memcmp(vk_pt_bytes(t, n), keys[j].name, n->n) == 0) {
+            field = keys[j].field;
+            break;
+        }
+    r->seen_node[slot] = k + 1;
+    r->seen_meaning[slot] = (int8_t)field;
+    return field;
+}
+
+static int action_named(const vk_ptree_t *t, uint32_t node);
+
+/* action_named, remembered by node id like the keys (meanings 16 + the action). */
+static int action_of(rd_t *r, uint32_t node) {
+    uint32_t slot = node & 63;
+    if (node != NONE32 && r->seen_node[slot] == node + 1 && r->seen_meaning[slot] >= 16)
+        return r->seen_meaning[slot] - 16;
+    int a = action_named(r->t, node);
+    if (node != NONE32) {
+        r->seen_node[slot] = node + 1;
+        r->seen_meaning[slot] = (int8_t)(16 + a);
+    }
+    return a;
+}
+
+static int action_named(const vk_ptree_t *t, uint32_t node) {
     static const struct { const char *name; int kind; } names[] = {
         {"alloc", A_ALLOC}, {"free_requested", A_FREE_REQUESTED}, {"free", A_FREE},
         {"free_completed", A_FREE_COMPLETED}, {"segment_alloc", A_SEG_PLUS}, {"segment_map", A_SEG_PLUS},
         {"segment_free", A_SEG_MINUS}, {"segment_unmap", A_SEG_MINUS}, {"oom", A_OOM}};
+    if (node == NONE32 || t->nodes[node].type != VK_PT_STR) return A_OTHER;
+    const vk_pt_node_t *n = &t->nodes[node];
+    const uint8_t *bytes = vk_pt_bytes(t, n);
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
-        if (vk_pt_str_is(t, node, names[i].name)) return names[i].kind;
+        if (strlen(names[i].name) == n->n && memcmp(bytes, names[i].name, n->n) == 0) return names[i].kind;
     return A_OTHER;
 }
 
@@ -195,7 +272,7 @@ static vram_status_t final_blocks(rd_t *r, uint32_t segments, block_t **out, uin
         if (dev != (uint64_t)r->h->device) continue;
         if ((s = get_uint(r, seg, "total_size", where, -1, SIZE_LIMIT, &total)) != VRAM_OK) break;
         if ((s = get_uint(r, seg, "address", where, 0, 0, &addr)) != VRAM_OK) break;
-        if ((s = get_stream(r, seg, where, &stream)) != VRAM_OK) break;
+        if ((s = stream_of(r, vk_pt_get(r->t, seg, "stream"), where, &stream)) != VRAM_OK) break;
         if ((s = vk_history_put(r->h, VK_H_FS_ADDR, addr)) || (s = vk_history_put(r->h, VK_H_FS_SIZE, total)) ||
             (s = vk_history_put(r->h, VK_H_FS_STREAM, stream)))
             break;
@@ -269,7 +346,8 @@ static vram_status_t add_alloc(rd_t *r, vk_u64map_t *live, uint64_t addr, uint64
     uint64_t id = h->col[VK_H_A_SIZE].n;
     if (id >= UINT32_MAX) return vram__fail(VRAM_ERR_INVALID_ARG, "%s: more than 4 billion allocations", r->what);
     vram_status_t s;
-    if ((s = vk_history_put(h, VK_H_A_SIZE, size)) || (s = vk_history_put(h, VK_H_A_ADDR, addr)) || (s = vk_history_put(h, VK_H_A_STREAM, stream)) ||
+    if ((s = vk_history_put(h, VK_H_A_SIZE, size)) || (s = vk_history_put(h, VK_H_A_ADDR, addr)) ||
+        (s = vk_history_put(h, VK_H_A_STREAM, stream)) ||
         (s = vk_history_put(h, VK_H_A_STACK, (uint64_t)(int64_t)stack)) || (s = vk_history_put(h, VK_H_EV_KIND, 0)) ||
         (s = vk_history_put(h, VK_H_EV_ID, id)) || (s = vk_history_put(h, VK_H_EV_TIME, (uint64_t)time)))
         return s;
@@ -302,32 +380,38 @@ static vram_status_t read_entries(rd_t *r, uint32_t entries, uint32_t segments) 
         if (vk_u64map_put(&active_end, blocks[b].addr, b)) s = vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory");
 
     /* Pass 1: every entry's shape, and the first entry naming each address. */
+    fields_t f;
     for (i = 0; s == VRAM_OK && i < n; i++) {
         char where[96];
-        snprintf(where, sizeof where, "device_traces[%" PRIu64 "][%" PRIu64 "]: malformed entry", dev, i);
-        uint32_t e = list[i], act;
+        uint32_t e = list[i];
+        r->entry = i;
         if (t->nodes[e].type != VK_PT_DICT) {
             s = vram__fail(VRAM_ERR_INVALID_ARG, "%s: %s (%s); entries are dicts with 'action', and 'addr', 'size', "
-                           "'stream' for alloc, free and segment actions", r->what, where, describe(t, e));
+                           "'stream' for alloc, free and segment actions", r->what,
+                           where_of(r, NULL, where, sizeof where), describe(t, e));
             break;
         }
-        act = vk_pt_get(t, e, "action");
+        entry_fields(r, e, &f);
+        uint32_t act = f.v[F_ACTION];
         if (act == NONE32 || t->nodes[act].type != VK_PT_STR) {
             s = vram__fail(VRAM_ERR_INVALID_ARG, "%s: %s ('action' is %s); alloc and free entries need 'action', "
-                           "'addr' and 'size'", r->what, where, describe(t, act));
+                           "'addr' and 'size'", r->what, where_of(r, NULL, where, sizeof where), describe(t, act));
             break;
         }
-        int a = action_of(t, act);
+        int a = action_of(r, act);
         uint64_t v;
         if (a >= A_ALLOC && a <= A_FREE_COMPLETED) {
-            if ((s = get_uint(r, e, "size", where, -1, SIZE_LIMIT, &v)) || (s = get_stream(r, e, where, &v)) ||
-                (s = get_uint(r, e, "addr", where, -1, 0, &v)))
+            if ((s = uint_of(r, f.v[F_SIZE], "size", NULL, -1, SIZE_LIMIT, &v)) ||
+                (s = stream_of(r, f.v[F_STREAM], NULL, &v)) || (s = uint_of(r, f.v[F_ADDR], "addr", NULL, -1, 0, &v)))
                 break;
             if (vk_u64map_find(&first, v) < 0 && vk_u64map_put(&first, v, i))
                 s = vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory");
         } else if (a == A_SEG_PLUS || a == A_SEG_MINUS || a == A_OOM) {
-            s = get_uint(r, e, "size", where, -1, SIZE_LIMIT, &v);
-            if (s == VRAM_OK && a == A_OOM) s = get_uint(r, e, "device_free", where, 0, 0, &v);
+            s = uint_of(r, f.v[F_SIZE], "size", NULL, -1, SIZE_LIMIT, &v);
+            if (s == VRAM_OK && a == A_OOM) s = uint_of(r, f.v[F_DEVICE_FREE], "device_free", NULL, 0, 0, &v);
+            if (s == VRAM_OK && a != A_OOM && f.v[F_ADDR] != NONE32)
+                s = uint_of(r, f.v[F_ADDR], "addr", NULL, 0, 0, &v);
+            if (s == VRAM_OK && a != A_OOM) s = stream_of(r, f.v[F_STREAM], NULL, &v);
         }
     }
 
@@ -339,10 +423,12 @@ static vram_status_t read_entries(rd_t *r, uint32_t entries, uint32_t segments) 
     for (uint64_t slot = 0; s == VRAM_OK && slot < first.capacity; slot++) {
         if (first.used[slot] != 1) continue;
         uint32_t e = list[first.values[slot]];
-        if (action_of(t, vk_pt_get(t, e, "action")) == A_ALLOC) continue;
-        uint64_t size, stream;
-        get_uint(r, e, "size", "", -1, SIZE_LIMIT, &size); /* checked in pass 1 */
-        get_stream(r, e, "", &stream);
+        entry_fields(r, e, &f);
+        if (action_of(r, f.v[F_ACTION]) == A_ALLOC) continue;
+        uint64_t size, stream; /* checked in pass 1 */
+        if ((s = uint_of(r, f.v[F_SIZE], "size", NULL, -1, SIZE_LIMIT, &size)) ||
+            (s = stream_of(r, f.v[F_STREAM], NULL, &stream)))
+            break;
         initial[n_initial++] = (initial_t){first.keys[slot], size, stream, -1};
     }
     for (uint64_t b = 0; s == VRAM_OK && b < n_blocks; b++) {
@@ -358,17 +444,19 @@ static vram_status_t read_entries(rd_t *r, uint32_t entries, uint32_t segments) 
         s = add_alloc(r, &live, initial[k].addr, initial[k].size, initial[k].stream, initial[k].stack, NO_TIME);
     h->initial_allocations = n_initial;
 
-    /* Pass 2: the events. */
+    /* Pass 2: the events (every field used here was checked in pass 1). */
     for (i = 0; s == VRAM_OK && i < n; i++) {
         uint32_t e = list[i];
-        int a = action_of(t, vk_pt_get(t, e, "action"));
+        entry_fields(r, e, &f);
+        int a = action_of(r, f.v[F_ACTION]);
         uint64_t addr = 0, size = 0, stream = 0, id = 0, mem_events = h->col[VK_H_EV_KIND].n;
-        int64_t time = get_time(r, e);
-        if (a != A_OTHER && a != A_OOM) {
-            if (vk_pt_get(t, e, "addr") != NONE32) get_uint(r, e, "addr", "", 0, 0, &addr);
-            get_uint(r, e, "size", "", -1, SIZE_LIMIT, &size);
-            get_stream(r, e, "", &stream);
-        }
+        int64_t time = time_of(r, f.v[F_TIME]);
+        r->entry = i;
+        if (a != A_OTHER && a != A_OOM &&
+            ((s = uint_of(r, f.v[F_ADDR], "addr", NULL, 0, 0, &addr)) ||
+             (s = uint_of(r, f.v[F_SIZE], "size", NULL, -1, SIZE_LIMIT, &size)) ||
+             (s = stream_of(r, f.v[F_STREAM], NULL, &stream))))
+            break;
         if (a == A_ALLOC) {
             if (vk_u64map_find(&live, addr) >= 0) {
                 s = contradiction(r, dev, i, "alloc", addr, "which holds a block not yet freed (no free_completed "
@@ -376,7 +464,7 @@ static vram_status_t read_entries(rd_t *r, uint32_t entries, uint32_t segments) 
                 break;
             }
             int32_t stack = -1;
-            if ((s = vk_stacks_of(&r->stacks, vk_pt_get(t, e, "frames"), &stack)) != VRAM_OK) break;
+            if ((s = vk_stacks_of(&r->stacks, f.v[F_FRAMES], &stack)) != VRAM_OK) break;
             s = add_alloc(r, &live, addr, size, stream, stack, time);
         } else if (a == A_FREE_COMPLETED) {
             if (!vk_u64map_remove(&live, addr, &id)) {
@@ -394,17 +482,17 @@ static vram_status_t read_entries(rd_t *r, uint32_t entries, uint32_t segments) 
                 break;
             }
             if (vk_u64map_put(&pending, addr, i)) s = vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory");
-        } else if ((a == A_SEG_PLUS || a == A_SEG_MINUS) && vk_pt_get(t, e, "addr") != NONE32) {
+        } else if ((a == A_SEG_PLUS || a == A_SEG_MINUS) && f.v[F_ADDR] != NONE32) {
             if ((s = vk_history_put(h, VK_H_SE_EVENT, mem_events)) || (s = vk_history_put(h, VK_H_SE_ADDR, addr)) ||
                 (s = vk_history_put(h, VK_H_SE_SIZE, size)) || (s = vk_history_put(h, VK_H_SE_STREAM, stream)) ||
                 (s = vk_history_put(h, VK_H_SE_SIGN, a == A_SEG_PLUS ? 1 : (uint64_t)(int64_t)-1)))
                 break;
         } else if (a == A_OOM) {
             uint64_t free_bytes = 0;
-            get_uint(r, e, "size", "", -1, SIZE_LIMIT, &size);
-            int has_free = vk_pt_get(t, e, "device_free") != NONE32 &&
-                           t->nodes[vk_pt_get(t, e, "device_free")].type != VK_PT_NONE;
-            if (has_free) get_uint(r, e, "device_free", "", 0, 0, &free_bytes);
+            int has_free = f.v[F_DEVICE_FREE] != NONE32 && t->nodes[f.v[F_DEVICE_FREE]].type != VK_PT_NONE;
+            if ((s = uint_of(r, f.v[F_SIZE], "size", NULL, -1, SIZE_LIMIT, &size)) ||
+                (s = uint_of(r, f.v[F_DEVICE_FREE], "device_free", NULL, 0, 0, &free_bytes)))
+                break;
             if ((s = vk_history_put(h, VK_H_OOM_EVENT, mem_events)) || (s = vk_history_put(h, VK_H_OOM_SIZE, size)) ||
                 (s = vk_history_put(h, VK_H_OOM_FREE, has_free ? free_bytes : (uint64_t)(int64_t)-1)) ||
                 (s = vk_history_put(h, VK_H_OOM_TIME, (uint64_t)time)))

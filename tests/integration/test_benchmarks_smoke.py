@@ -303,3 +303,37 @@ def test_loop_costs_prints_one_row_per_target():
     assert [r["part"] for r in rows] == ["3 allocator", "3 allocator"]
     assert rows[0]["cost"] > 0 and rows[0]["met"] in (True, False) and rows[1]["met"] is None
     assert bench.gpu_rows(quick=True) == []  # no GPU here: no GPU rows, and no failure either
+
+
+def test_view_benchmark_quick():
+    """benchmarks/view_open.py --quick: a generated snapshot opened, summarized, zoomed at the
+    server (and in Chromium when it is installed); it prints its rows. No speed assertions."""
+    out = _run_quick("view_open.py")
+    for name in ("read the file whole (s)", "open after the summary (s)", "server: zoom/pan, max (ms)",
+                 "server: allocation under cursor, max (ms)"):
+        assert name in out, out
+
+
+def test_view_benchmark_data_is_a_snapshot_vramkit_and_python_read_alike(tmp_path):
+    """The generator writes opcodes itself: Python's unpickler and vramkit's importer must read
+    it as the snapshot it claims to be, and the viewer's C reader as the importer does."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        from view_data import write_snapshot
+    finally:
+        sys.path.pop(0)
+    from vramkit._core.plain_pickle import loads_plain
+    from vramkit.trace.formats.snapshot_import import from_torch_snapshot
+    from vramkit.view import load_history
+
+    path = str(tmp_path / "s.pickle")
+    facts = write_snapshot(path, 5000, seed=3)
+    snap = loads_plain(open(path, "rb").read())
+    entries = snap["device_traces"][0]
+    assert len(entries) == facts["entries"] and {e["action"] for e in entries} == {"alloc", "free_requested",
+                                                                                    "free_completed"}
+    assert all(isinstance(e["frames"], list) and e["frames"] for e in entries)
+    trace = from_torch_snapshot(path)
+    hist = load_history(path, cache=False)
+    assert len(trace.kind) == facts["memory_events"] == hist.events
+    assert hist.ev_id.tolist() == trace.id.tolist()

@@ -54,6 +54,17 @@ def test_bundled_example(tmp_path):
     assert snapshot["segments"]
     page = html_path.read_text(encoding="utf-8")
     assert "<svg" in page and "numpy_pipeline.py" in page
+    # the command it points at reads the snapshot it wrote, every allocation with its stack
+    # (the snapshot of the device that held the most: torch's, when the example trains with torch)
+    pointed = re.search(r"Explore a snapshot: vramkit view (\S+)", out)
+    assert pointed and pointed.group(1) in out.split("Explore a snapshot")[0], out
+    from vramkit.view import load_history
+
+    history = load_history(snapshot_path, cache=False)
+    allocs = [e for e in trace if e["action"] == "alloc"]
+    assert history.events >= len(allocs) and history.info()["peak_bytes"] > 0
+    assert any("numpy_pipeline.py" in label for label in history.groupings["site"].labels)
+    assert load_history(pointed.group(1), cache=False).events > 0
 
 
 def check_checkpoint_part(out: str) -> None:

@@ -300,3 +300,93 @@ def test_vktrace_groupings(tmp_path):
     act = labels.index("activation")
     assert {b["id"]: b["bytes"] for b in out["bands"]}[act] == [0, 200, 200, 500, 300, 0]
     assert h.search("decoder")["allocations"] == 1
+
+
+def _shared_histories() -> list[str]:
+    """The allocator histories recorded on a real H100 (../shared/gpu-histories), where present."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for shared in (os.path.join(os.path.dirname(root), "shared"), "/work/shared"):
+        folder = os.path.join(shared, "gpu-histories", "h100-2026-11-27")
+        if os.path.isdir(folder):
+            return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".pickle"))
+    return []
+
+
+@pytest.mark.parametrize("path", _shared_histories() or [None])
+def test_real_h100_snapshots(path, tmp_path):
+    if path is None:
+        pytest.skip("no ../shared/gpu-histories here (the H100 recordings)")
+    h = load_history(path, cache=False)
+    t = from_torch_snapshot(path)
+    assert h.ev_kind.tolist() == t.kind.tolist() and h.ev_id.tolist() == t.id.tolist()
+    totals, sets = brute(t)
+    assert h.info()["peak_bytes"] == totals.max()
+    # the segments after the last event are the snapshot's final segments
+    last = h.segments(h.events - 1)
+    assert last["reserved"] == t.meta["recorded_reserved"]
+    # every allocation's stack is its alloc entry's frames
+    entries = [e for e in pickle.load(open(path, "rb"))["device_traces"][0] if e["action"] == "alloc"]
+    first = t.meta["initial_allocations"]
+    for k, e in enumerate(entries[:500]):
+        assert h.stack(int(h.a_stack[first + k])) == e["frames"]
+
+
+def test_mutated_pickles_fail_cleanly(tmp_path):
+    """Random byte flips, cuts and insertions of a valid snapshot: a TraceFormatError or a
+    history, never a crash (this file also runs under ASan/UBSan in CI)."""
+    good = bytearray(pickle.dumps(random_snapshot(8, steps=80), protocol=4))
+    rng = random.Random(int(os.environ.get("VRAMKIT_FUZZ_SEED", "1")))
+    path = tmp_path / "m.pickle"
+    outcomes = {"error": 0, "read": 0}
+    for _ in range(int(os.environ.get("VRAMKIT_FUZZ_CASES", "400"))):
+        data = bytearray(good)
+        for _ in range(rng.randrange(1, 4)):
+            at = rng.randrange(len(data))
+            r = rng.random()
+            if r < 0.6:
+                data[at] = rng.randrange(256)
+            elif r < 0.8:
+                del data[at:at + rng.randrange(1, 16)]
+            else:
+                data[at:at] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 9)))
+        path.write_bytes(bytes(data))
+        try:
+            h = load_history(path, cache=False)
+        except (TraceFormatError, ValueError):
+            outcomes["error"] += 1
+        else:
+            outcomes["read"] += 1
+            if h.events:
+                h.timeline(0, h.events, 16, "site")
+    assert outcomes["error"] > 0 and sum(outcomes.values()) == int(os.environ.get("VRAMKIT_FUZZ_CASES", "400"))
+
+
+def test_query_columns_are_checked():
+    from vramkit import _C
+
+    kind = np.array([0, 0, 1], np.uint8)
+    ids = np.array([0, 1, 0], np.uint32)
+    size = np.array([10, 20], np.uint64)
+    group = np.array([0, 1], np.int32)
+    ckpt = np.frombuffer(_C.view_checkpoints(kind, ids, size, group, 2, 2), np.int64)
+    assert ckpt.tolist() == [0, 0, 10, 20]  # before event 0, before event 2
+    raw = np.zeros(17, np.uint8)
+    odd = raw[1:13].view(np.uint32)  # a view at an odd address
+    with pytest.raises(ValueError, match="aligned"):
+        _C.view_checkpoints(kind, odd, size, group, 2, 2)
+    with pytest.raises(ValueError, match="names allocation 5"):
+        _C.view_checkpoints(kind, np.array([0, 5, 0], np.uint32), size, group, 2, 1)
+    with pytest.raises(ValueError, match="group"):
+        _C.view_checkpoints(kind, ids, size, np.array([0, 2], np.int32), 2, 1)
+    with pytest.raises(ValueError, match="sorted"):
+        _C.view_groups_at(kind, ids, size, group, 2, ckpt, 2, np.array([2, 1], np.uint64))
+    with pytest.raises(ValueError, match="ckpt"):
+        _C.view_groups_at(kind, ids, size, group, 2, ckpt[:3], 2, np.array([1], np.uint64))
+    with pytest.raises(ValueError, match="edges"):
+        _C.view_group_peaks(kind, ids, size, group, 2, ckpt, 2, np.array([0, 4], np.uint64), 1)
+    at = np.frombuffer(_C.view_groups_at(kind, ids, size, group, 2, ckpt, 2, np.array([0, 1, 2], np.uint64)),
+                       np.int64).reshape(3, 2)
+    assert at.tolist() == [[10, 0], [10, 20], [0, 20]]
+    peaks = np.frombuffer(_C.view_group_peaks(kind, ids, size, group, 2, ckpt, 2, np.array([0, 2, 3], np.uint64), 0),
+                          np.int64)
+    assert peaks.tolist() == [10, 0]

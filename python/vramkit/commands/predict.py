@@ -311,7 +311,8 @@ def cmd_fit(ns: argparse.Namespace) -> int:
         print(f"Timeline (batch size {chosen}): {page}")
         if ns.trace:
             try:
-                print(f"Trace (batch size {chosen}): {trace.save(ns.trace)}")
+                saved = trace.save(ns.trace)
+                print(f"Trace (batch size {chosen}): {saved}  (explore it by category and module: vramkit view {saved})")
             except OSError as exc:
                 _error("fit", f"cannot write the trace to {ns.trace!r}: {exc.strerror or exc}")
                 return BAD_INPUT

@@ -386,7 +386,9 @@ def _print_files(notes: list[str], written: list[tuple[str, str, str]]) -> None:
     for what, snap_path, page_path in written:
         print(f"Snapshot ({what}): {snap_path}")
         print(f"Timeline ({what}): {page_path}")
-    print("Open the snapshot at https://pytorch.org/memory_viz (drag and drop; the file is read locally).")
+    if written:
+        print(f"Explore a snapshot: vramkit view {written[0][1]}  (served from this machine, any size; "
+              "https://pytorch.org/memory_viz opens it too)")
 
 
 def _finish_rank(ns: argparse.Namespace, script: str, rank: _Rank, summary: RankSummary, notes: list[str],

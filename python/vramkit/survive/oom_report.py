@@ -83,7 +83,8 @@ class PostMortem(TextAsHtml):
             lines.append("what to try:")
             lines += [f"  - {r}" for r in self.remedies]
         if self.files:
-            names = {"snapshot": "open at https://pytorch.org/memory_viz", "timeline": "the timeline"}
+            names = {"snapshot": "explore it with `vramkit view`, or at pytorch.org/memory_viz",
+                     "timeline": "the timeline"}
             lines.append("files: " + ", ".join(f"{p} ({names.get(k, k)})" for k, p in self.files.items()))
         lines += [f"(not done: {p})" for p in self.problems]
         return "\n".join(lines)

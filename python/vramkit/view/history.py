@@ -229,7 +229,8 @@ class History:
             k = int(np.searchsorted(cum, y, side="right"))
             a = int(live[k])
             free_ev = int(self.a_free_ev[a])
-            t_alloc, t_free = self.ev_time[self.a_alloc_ev[a]], self.ev_time[free_ev] if free_ev < self.events else NO_TIME
+            t_alloc = self.ev_time[self.a_alloc_ev[a]]
+            t_free = self.ev_time[free_ev] if free_ev < self.events else NO_TIME
             allocation = {
                 "id": a, "size": int(self.a_size[a]), "addr": int(self.a_addr[a]), "stream": int(self.a_stream[a]),
                 "alloc_event": int(self.a_alloc_ev[a]), "free_event": free_ev if free_ev < self.events else None,

@@ -208,6 +208,7 @@ def _write_cache(where: str, key: dict[str, Any], hist: History) -> None:
     header = json.dumps({"key": key, "file": hist.file, "device": hist.device, "strings": hist.strings,
                          "groupings": groupings, "segments_known": hist.segments_known,
                          "arrays": table}).encode()
+    header += b" " * (-(len(CACHE_MAGIC) + 8 + len(header)) % 64)  # arrays start 64-byte aligned in the file
     tmp = f"{where}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
         f.write(CACHE_MAGIC + struct.pack("<Q", len(header)) + header)
@@ -237,7 +238,8 @@ def _read_cache(where: str, key: dict[str, Any], source: str) -> History:
         dtype = _DTYPES.get(entry.get("dtype"))
         offset, count, name = entry.get("offset"), entry.get("count"), entry.get("name")
         if dtype is None or type(offset) is not int or type(count) is not int or not isinstance(name, str) \
-                or offset < 0 or count < 0 or base + offset + count * np.dtype(dtype).itemsize > size:
+                or offset < 0 or count < 0 or base + offset + count * np.dtype(dtype).itemsize > size \
+                or (base + offset) % np.dtype(dtype).itemsize:
             raise TraceFormatError(f"{where}: array entry {entry!r:.100} does not fit the file")
         start = base + offset
         arrays[name] = data[start:start + count * np.dtype(dtype).itemsize].view(dtype)
