@@ -66,3 +66,19 @@ def test_real_history_in_the_browser(real_page, history):
     # the out-of-memory points are marked, every one of them once the view is whole again
     page.call(f"window.vkView.zoomTo(0, {info['events']})")
     assert page.vk("stats")["ooms"] == len(info["ooms"]) > 0
+
+
+def test_durations_read_as_clock_time(real_page):
+    """Found by looking at the page: 4 min 59.7 s was written "4 min 60 s"."""
+    page = real_page
+    for us, text in [(999, "999 µs"), (1500, "1.50 ms"), (59.9e6, "59.9 s"), (299.7e6, "5 min 0 s"),
+                     (432.4e6, "7 min 12 s"), (3_661e6, "1 h 1 min")]:
+        assert page.js(f"return dur({us})") == text, us
+
+
+def test_axis_times_keep_their_resolution_when_zoomed(real_page):
+    """Found by looking at the page: zoomed in past the first minute every label read "6 min 27 s"."""
+    page = real_page
+    assert page.js("return dur(387.4123e6, 5e3)") == "6 min 27.412 s"
+    assert page.js("return dur(387.4123e6, 2e5)") == "6 min 27.4 s"
+    assert page.js("return dur(387.4123e6, 5e6)") == "6 min 27 s"

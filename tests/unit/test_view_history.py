@@ -321,6 +321,7 @@ def test_real_h100_snapshots(path, tmp_path):
     assert h.ev_kind.tolist() == t.kind.tolist() and h.ev_id.tolist() == t.id.tolist()
     totals, sets = brute(t)
     assert h.info()["peak_bytes"] == totals.max()
+    _answers_are_json(h)
     # the segments after the last event are the snapshot's final segments
     last = h.segments(h.events - 1)
     assert last["reserved"] == t.meta["recorded_reserved"]
@@ -390,3 +391,22 @@ def test_query_columns_are_checked():
     peaks = np.frombuffer(_C.view_group_peaks(kind, ids, size, group, 2, ckpt, 2, np.array([0, 2, 3], np.uint64), 0),
                           np.int64)
     assert peaks.tolist() == [10, 0]
+
+
+def _answers_are_json(h) -> None:
+    """Every query's answer is plain JSON (the server sends it as is): no NumPy scalars, no NaN."""
+    import json
+
+    rng = random.Random(4)
+    n = h.events
+    answers = [h.info(), h.timeline(0, n, 300, "site"), h.timeline(0, min(n, 500), 300, "site", "py"),
+               h.search("py")]
+    for _ in range(20):
+        e = rng.randrange(n)
+        answers += [h.at(e, rng.randrange(max(1, int(h.live[e]) + 1))), h.segments(e)]
+    for a in answers:
+        assert json.loads(json.dumps(a, allow_nan=False)) == a
+
+
+def test_answers_are_plain_json(loaded):
+    _answers_are_json(loaded[0])

@@ -265,13 +265,13 @@ class History:
         out, blocks_listed = [], 0
         for addr, size, stream in ranges[:MAX_SEGMENTS]:
             lo, hi = np.searchsorted(addrs, addr), np.searchsorted(addrs, addr + size)
-            take = max(0, min(hi - lo, MAX_BLOCKS - blocks_listed))
+            take = max(0, min(int(hi - lo), MAX_BLOCKS - blocks_listed))
             blocks_listed += take
             out.append({"addr": addr, "size": size, "stream": stream,
                         "blocks": [{"addr": int(addrs[i]), "size": int(sizes[i]), "id": int(live[i])}
-                                   for i in range(lo, lo + take)]})
+                                   for i in range(int(lo), int(lo) + take)]})
         return {"event": event, "reserved": sum(r[1] for r in ranges), "allocated": int(sizes.sum()),
-                "segments": out, "truncated": len(ranges) > MAX_SEGMENTS or blocks_listed >= MAX_BLOCKS}
+                "segments": out, "truncated": bool(len(ranges) > MAX_SEGMENTS or blocks_listed >= MAX_BLOCKS)}
 
     # ------------------------------------------------------------------ search
 
