@@ -81,6 +81,11 @@ WORKER = textwrap.dedent(r"""
                                   "limit_after": vramkit.get_settings("cpu")["memory_limit"],
                                   "outcomes": [[a.batch_size, a.outcome, a.local_outcome] for a in result.attempts]}),
           flush=True)
+    # Lightning leaves its process group up after fit; torch asks for it to be destroyed before
+    # exit, and gloo's threads can abort the interpreter's exit otherwise ("terminate called
+    # without an active exception", seen once in CI)
+    import torch.distributed as dist
+    dist.destroy_process_group()
 """)
 
 
