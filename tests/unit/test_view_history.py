@@ -410,3 +410,24 @@ def _answers_are_json(h) -> None:
 
 def test_answers_are_plain_json(loaded):
     _answers_are_json(loaded[0])
+
+
+def test_vramkit_snapshot_with_an_out_of_memory(tmp_path):
+    """A snapshot vramkit writes (as `vramkit run` and the post-mortem do) opens with its OOM point."""
+    import vramkit
+
+    dev = str(vramkit.sim.create(64 << 20))
+    vramkit.record_memory_history(device=dev)
+    try:
+        kept = vramkit.raw_alloc(8 << 20, dev)
+        with pytest.raises(vramkit.OutOfMemoryError):
+            vramkit.raw_alloc(100 << 20, dev)
+        path = vramkit.dump_snapshot(str(tmp_path / "oom.pickle"), device=dev) or str(tmp_path / "oom.pickle")
+        vramkit.raw_free(kept)
+    finally:
+        vramkit.record_memory_history(enabled=None, device=dev)
+    h = load_history(path, cache=False)
+    ooms = h.info()["ooms"]
+    assert len(ooms) == 1 and ooms[0]["size"] == 100 << 20 and ooms[0]["event"] == 1
+    assert ooms[0]["device_free"] == (64 << 20) - int(h.segments(0)["reserved"])
+    assert h.at(0, 0)["allocation"]["size"] == 8 << 20
