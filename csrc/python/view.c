@@ -24,7 +24,7 @@ static PyObject *read_snapshot(PyObject *self, PyObject *args) {
     PyObject *columns = PyDict_New(), *result = NULL;
     for (int c = 0; columns && c < VK_H_NCOLUMNS; c++) {
         char type[2] = {vk_history_column_types[c], 0};
-        size_t es = (type[0] == 'B' || type[0] == 'b') ? 1 : (type[0] == 'I' || type[0] == 'i') ? 4 : 8;
+        size_t es = vk_history_column_size(c);
         PyObject *bytes = PyBytes_FromStringAndSize(h.col[c].p ? h.col[c].p : "", (Py_ssize_t)(h.col[c].n * es));
         PyObject *pair = bytes ? Py_BuildValue("(sN)", type, bytes) : NULL;
         if (!pair || PyDict_SetItemString(columns, vk_history_column_names[c], pair)) Py_CLEAR(columns);

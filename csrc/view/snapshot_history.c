@@ -13,14 +13,6 @@
 #include "stack_intern.h"
 #include "u64map.h"
 
-const char *const vk_history_column_names[VK_H_NCOLUMNS] = {
-    "ev_kind", "ev_id", "ev_time", "a_size", "a_addr", "a_stream", "a_stack", "stack_start", "stack_frames",
-    "f_file", "f_name", "f_line", "str_start", "str_data", "se_event", "se_addr", "se_size", "se_stream",
-    "se_sign", "oom_event", "oom_size", "oom_free", "oom_time", "fs_addr", "fs_size", "fs_stream"};
-const char vk_history_column_types[VK_H_NCOLUMNS] = {
-    'B', 'I', 'q', 'Q', 'Q', 'Q', 'i', 'Q', 'I', 'I', 'I', 'q', 'Q', 'B', 'Q', 'Q', 'Q', 'Q', 'b', 'Q', 'Q', 'q',
-    'q', 'Q', 'Q', 'Q'};
-
 #define NONE32 UINT32_MAX
 #define SIZE_LIMIT (UINT64_C(1) << 62) /* as Trace.validate: no size reaches 2**62 bytes */
 #define NO_TIME INT64_MIN
@@ -38,31 +30,6 @@ typedef struct rd {
     int8_t seen_meaning[64];
     vk_stacks_t stacks;
 } rd_t;
-
-static size_t elem_size(int col) {
-    switch (vk_history_column_types[col]) {
-    case 'B': case 'b': return 1;
-    case 'I': case 'i': return 4;
-    default: return 8;
-    }
-}
-
-vram_status_t vk_history_put(vk_history_t *h, int col, uint64_t value) {
-    vk_vec_t *v = &h->col[col];
-    size_t es = elem_size(col);
-    if (v->n == v->cap) {
-        uint64_t cap = v->cap ? v->cap * 2 : 256;
-        void *p = realloc(v->p, (size_t)cap * es);
-        if (!p) return vram__fail(VRAM_ERR_HOST_MEMORY, "out of host memory reading the snapshot's history");
-        v->p = p;
-        v->cap = cap;
-    }
-    uint8_t *at = (uint8_t *)v->p + v->n++ * es;
-    if (es == 1) *at = (uint8_t)value;
-    else if (es == 4) { uint32_t x = (uint32_t)value; memcpy(at, &x, 4); }
-    else memcpy(at, &value, 8);
-    return VRAM_OK;
-}
 
 static const char *describe(const vk_ptree_t *t, uint32_t node) {
     if (node == NONE32) return "missing";
@@ -552,9 +519,4 @@ vram_status_t vk_history_read(const void *data, size_t len, int device, vk_histo
     vk_ptree_free(&tree);
     if (s != VRAM_OK) vk_history_free(out);
     return s;
-}
-
-void vk_history_free(vk_history_t *h) {
-    for (int c = 0; c < VK_H_NCOLUMNS; c++) free(h->col[c].p);
-    memset(h, 0, sizeof *h);
 }

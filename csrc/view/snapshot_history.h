@@ -77,7 +77,9 @@ extern const char vk_history_column_types[VK_H_NCOLUMNS]; /* NumPy type characte
  * wrong (and where) for anything that is not such a snapshot; VRAM_ERR_HOST_MEMORY. */
 vram_status_t vk_history_read(const void *data, size_t len, int device, vk_history_t *out);
 void vk_history_free(vk_history_t *h);
-/* Append one value to a column (converted to the column's type): VRAM_OK or VRAM_ERR_HOST_MEMORY. */
+/* Append one value to a column (converted to the column's type): VRAM_OK or VRAM_ERR_HOST_MEMORY.
+ * These three are in history_columns.c. */
+size_t vk_history_column_size(int col); /* bytes an item */
 vram_status_t vk_history_put(vk_history_t *h, int col, uint64_t value);
 
 #endif
