@@ -92,12 +92,13 @@ class History:
         sizes = self.a_size.astype(np.int64)[self.ev_id] if n else np.zeros(0, np.int64)
         if not len(self.live):
             self.live = np.cumsum(np.where(self.ev_kind == 0, sizes, -sizes), dtype=np.int64)
-        self.a_alloc_ev = np.zeros(len(self.a_size), np.int64)
-        self.a_free_ev = np.full(len(self.a_size), n, np.int64)
-        idx = np.arange(n, dtype=np.int64)
-        allocs = self.ev_kind == 0
-        self.a_alloc_ev[self.ev_id[allocs]] = idx[allocs]
-        self.a_free_ev[self.ev_id[~allocs]] = idx[~allocs]
+        if len(self.a_alloc_ev) != len(self.a_size):
+            self.a_alloc_ev = np.zeros(len(self.a_size), np.int64)
+            self.a_free_ev = np.full(len(self.a_size), n, np.int64)
+            idx = np.arange(n, dtype=np.int64)
+            allocs = self.ev_kind == 0
+            self.a_alloc_ev[self.ev_id[allocs]] = idx[allocs]
+            self.a_free_ev[self.ev_id[~allocs]] = idx[~allocs]
         for g in self.groupings.values():
             if len(g.ckpt) != (n // EVERY + 1) * g.groups:
                 g.ckpt = self._checkpoints(g.group, g.groups)

@@ -104,6 +104,7 @@ def _from_snapshot(path: str, data: Any, device: int | None) -> History:
     strings = [blob[int(a):int(b)].decode("utf-8", "replace") for a, b in zip(start[:-1], start[1:])]
     hist = History(file=path, device=f"device {got['device']}", strings=strings, groupings={},
                    segments_known=bool(len(cols["se_event"]) or len(cols["fs_addr"])), **cols)  # type: ignore[arg-type]
+    hist.derive()  # the running total and each allocation's events, which the groupings rank by
     hist.groupings["site"] = _site_grouping(hist)
     return hist
 
@@ -129,6 +130,7 @@ def _from_trace(path: str) -> History:
         se_stream=empty64, se_sign=np.zeros(0, np.int8), oom_event=empty64, oom_size=empty64,
         oom_free=np.zeros(0, np.int64), oom_time=np.zeros(0, np.int64), fs_addr=empty64, fs_size=empty64,
         fs_stream=empty64, groupings={}, segments_known=False)
+    hist.derive()  # the running total and each allocation's events, which the groupings rank by
     hist.groupings["category"] = _top_grouping(hist, "category", list(CATEGORIES),
                                                trace.alloc_category.astype(np.int64))
     hist.groupings["module"] = _top_grouping(hist, "module", list(trace.modules), trace.alloc_module.astype(np.int64))
@@ -160,11 +162,8 @@ def _top_grouping(hist: History, name: str, labels: list[str], per_alloc: np.nda
     score_total = np.bincount(known, weights=hist.a_size.astype(np.float64), minlength=n_labels + 1)[:n_labels]
     score_peak: np.ndarray = np.zeros(n_labels)
     if len(hist.ev_kind) and n_labels:
-        live = np.cumsum(np.where(hist.ev_kind == 0, 1, -1) * hist.a_size.astype(np.int64)[hist.ev_id])
-        peak_event = int(np.argmax(live))
-        alive = (np.arange(len(hist.a_size)) >= 0)
-        alive &= _alloc_events(hist) <= peak_event
-        alive &= _free_events(hist) > peak_event
+        peak_event = int(np.argmax(hist.live))
+        alive = (hist.a_alloc_ev <= peak_event) & (hist.a_free_ev > peak_event)
         score_peak = np.bincount(known[alive], weights=hist.a_size[alive].astype(np.float64),
                                  minlength=n_labels + 1)[:n_labels]
     order = np.lexsort((-score_total, -score_peak))[:TOP_GROUPS]
@@ -172,20 +171,6 @@ def _top_grouping(hist: History, name: str, labels: list[str], per_alloc: np.nda
     remap = np.full(n_labels + 1, len(order), np.int32)
     remap[order] = np.arange(len(order), dtype=np.int32)
     return Grouping(name, [labels[k] for k in order], remap[known].astype(np.int32))
-
-
-def _alloc_events(hist: History) -> np.ndarray:
-    out = np.zeros(len(hist.a_size), np.int64)
-    allocs = hist.ev_kind == 0
-    out[hist.ev_id[allocs]] = np.flatnonzero(allocs)
-    return out
-
-
-def _free_events(hist: History) -> np.ndarray:
-    out = np.full(len(hist.a_size), len(hist.ev_kind), np.int64)
-    frees = hist.ev_kind == 1
-    out[hist.ev_id[frees]] = np.flatnonzero(frees)
-    return out
 
 
 # ---------------------------------------------------------------------------------- the cache
